@@ -1,0 +1,35 @@
+# Every target sets itself up: a fresh clone needs only `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.ds_lightning-installed
+# The pinned torch resolves to the CPU wheel on CPU-only machines here; a GPU box may override it.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# Install torch first and pinned: an open range with no torch present can pull a multi-GB CUDA build.
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/ds-train fit --config examples/configs/mirrored.yaml
+
+test: setup
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+bench: setup
+	$(PY) benchmarks/mirrored.py
+
+clean:
+	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache

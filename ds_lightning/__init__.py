@@ -1,0 +1,11 @@
+"""ds_lightning: distributed training strategies for PyTorch Lightning, selected with one string.
+
+``import ds_lightning`` registers ``ds_mirrored`` (and later strategies) in Lightning's ``StrategyRegistry``.
+"""
+
+from ds_lightning.environments import TFConfigEnvironment, TFConfigError
+from ds_lightning.strategies import MirroredStrategy, available_strategies
+
+__version__ = "0.1.0"
+
+__all__ = ["MirroredStrategy", "TFConfigEnvironment", "TFConfigError", "__version__", "available_strategies"]

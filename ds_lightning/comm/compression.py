@@ -1,0 +1,154 @@
+"""Gradient compression as DDP communication hooks, shared by every strategy that all-reduces gradients.
+
+``fp16``/``bf16`` use torch's own hooks; ``powersgd`` uses :mod:`ds_lightning.comm.powersgd` (gloo-safe, with
+per-parameter state that survives DDP's bucket rebuild). This module adds a byte counter and a checkpointable state.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hooks' annotations at runtime.
+
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from ds_lightning.comm.powersgd import PowerSGDState, powersgd_hook
+
+__all__ = ["COMPRESSIONS", "CompressionName", "GradientCompressor"]
+
+CompressionName = Literal["none", "fp16", "bf16", "powersgd"]
+COMPRESSIONS: tuple[str, ...] = get_args(CompressionName)
+
+
+@dataclass
+class _CastState:
+    """State of the half-width hooks: the group plus counters."""
+
+    process_group: dist.ProcessGroup | None
+    bytes_sent: int = 0
+    steps: int = 0
+
+    def count(self, bucket: dist.GradBucket) -> None:
+        self.bytes_sent += bucket.buffer().numel() * 2
+        if bucket.is_last():
+            self.steps += 1
+
+
+def _fp16_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.count(bucket)
+    return default_hooks.fp16_compress_hook(state.process_group, bucket)  # type: ignore[arg-type]
+
+
+def _bf16_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.count(bucket)
+    return default_hooks.bf16_compress_hook(state.process_group, bucket)  # type: ignore[arg-type]
+
+
+def _powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return powersgd_hook(state, bucket)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class GradientCompressor:
+    """One compression setting, attached to one DDP model.
+
+    Args:
+        name: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
+        powersgd_rank: PowerSGD's approximation rank (higher: more accurate, more bytes).
+        powersgd_start_iter: plain all-reduce for this many steps before PowerSGD starts.
+        powersgd_min_compression_rate: matrices that would shrink less than this travel uncompressed.
+        seed: seed of PowerSGD's initial projections, identical on every rank.
+
+    Raises:
+        ValueError: for an unknown ``name`` or out-of-range option, naming the value and the fix.
+
+    """
+
+    def __init__(
+        self,
+        name: str = "none",
+        powersgd_rank: int = 2,
+        powersgd_start_iter: int = 10,
+        powersgd_min_compression_rate: float = 2.0,
+        seed: int = 0,
+    ) -> None:
+        if name not in COMPRESSIONS:
+            raise ValueError(f"gradient_compression={name!r} is not supported; choose one of {list(COMPRESSIONS)}.")
+        if not _is_int(powersgd_rank) or powersgd_rank < 1:
+            raise ValueError(f"powersgd_rank={powersgd_rank!r} must be an integer >= 1, e.g. powersgd_rank=2.")
+        if not _is_int(powersgd_start_iter) or powersgd_start_iter < 0:
+            raise ValueError(f"powersgd_start_iter={powersgd_start_iter!r} must be an integer >= 0, e.g. 10.")
+        if not powersgd_min_compression_rate > 0:
+            raise ValueError(f"powersgd_min_compression_rate={powersgd_min_compression_rate!r} must be > 0, e.g. 2.")
+        self.name = name
+        self.powersgd_rank = powersgd_rank
+        self.powersgd_start_iter = powersgd_start_iter
+        self.powersgd_min_compression_rate = powersgd_min_compression_rate
+        self.seed = seed
+        self._state: _CastState | PowerSGDState | None = None
+        self._uncompressed_bytes = 0
+
+    def register(self, model: DistributedDataParallel, process_group: dist.ProcessGroup | None = None) -> None:
+        """Register the hook on ``model`` (none for ``"none"``: DDP's built-in all-reduce is fastest).
+
+        Raises:
+            RuntimeError: if called twice; DDP accepts one comm hook per model (pytorch issue 102721).
+
+        """
+        if self._state is not None:
+            raise RuntimeError("GradientCompressor.register was called twice; DDP accepts one comm hook per model.")
+        params = [p for p in model.parameters() if p.requires_grad]
+        self._uncompressed_bytes = sum(p.numel() * p.element_size() for p in params)
+        if self.name == "powersgd":
+            state = PowerSGDState(
+                process_group=process_group,
+                rank=self.powersgd_rank,
+                start_iter=self.powersgd_start_iter,
+                min_compression_rate=self.powersgd_min_compression_rate,
+                seed=self.seed,
+                param_index={id(p): i for i, p in enumerate(model.parameters())},
+            )
+            self._state = state
+            model.register_comm_hook(state, _powersgd_hook)
+            return
+        self._state = _CastState(process_group=process_group)
+        if self.name != "none":
+            model.register_comm_hook(self._state, _fp16_hook if self.name == "fp16" else _bf16_hook)
+
+    @property
+    def bytes_per_step(self) -> float:
+        """Mean payload bytes this rank handed to all-reduce per optimizer step."""
+        if self._state is None:
+            return 0.0
+        if self.name == "none":
+            return float(self._uncompressed_bytes)
+        return self._state.bytes_sent / max(self._state.steps, 1)
+
+    @property
+    def uncompressed_bytes_per_step(self) -> int:
+        """Bytes one uncompressed gradient all-reduce carries."""
+        return self._uncompressed_bytes
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's compression state, as tensors and plain numbers (loadable with ``weights_only=True``)."""
+        out: dict[str, Any] = {"name": self.name}
+        if isinstance(self._state, PowerSGDState):
+            out.update(self._state.state_dict())
+        return out
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore :meth:`state_dict`'s output, moving tensors to ``device``.
+
+        Raises:
+            ValueError: if ``state`` was saved under another compression setting.
+
+        """
+        if state.get("name") != self.name:
+            raise ValueError(f"compression state was saved for {state.get('name')!r}, not {self.name!r}.")
+        if isinstance(self._state, PowerSGDState):
+            self._state.load_state_dict(state, device=device)

@@ -1,0 +1,179 @@
+"""PowerSGD gradient compression (Vogels et al., 2019) as a DDP comm hook whose state is keyed by parameter.
+
+Why not torch's ``powerSGD_hook``:
+
+* it issues its second all-reduce from a future callback, which runs on a backend worker thread; with several DDP
+  buckets in flight the ranks then issue collectives in different orders, and gloo pairs mismatched messages
+  ("Received data size doesn't match expected size") as soon as a model spans more than one bucket;
+* its error-feedback and warm-start memories are keyed by bucket index and laid out in bucket order, and DDP rebuilds
+  its buckets after the first iteration of every run, so a restored state lands on the wrong entries after a resume.
+
+Here every collective is issued from the hook's own thread, in bucket order, and the state lives per parameter.
+"""
+
+# No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["PowerSGDState", "powersgd_hook"]
+
+
+@dataclass
+class PowerSGDState:
+    """Configuration and per-parameter memory of PowerSGD on one rank.
+
+    Attributes:
+        process_group: group to all-reduce over (``None``: the default group).
+        rank: approximation rank ``r``: a ``n x m`` gradient travels as ``(n + m) * r`` numbers.
+        start_iter: plain all-reduce for this many steps first (compression early in training hurts accuracy).
+        min_compression_rate: matrices that would shrink less than this travel uncompressed.
+        seed: seed of the initial random ``Q`` of each parameter; identical on every rank.
+        param_index: ``id(param)`` to the parameter's position in the model, the key of all memories.
+        iter: optimizer steps seen (counted at each step's last bucket).
+        error: local compression error per parameter, added back next step (error feedback).
+        q_memory: last ``Q`` per parameter, reused as the next step's starting point (warm start).
+        bytes_sent / steps: payload counters.
+
+    """
+
+    process_group: dist.ProcessGroup | None = None
+    rank: int = 2
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    seed: int = 0
+    param_index: dict[int, int] = field(default_factory=dict)
+    iter: int = 0
+    error: dict[int, Tensor] = field(default_factory=dict)
+    q_memory: dict[int, Tensor] = field(default_factory=dict)
+    bytes_sent: int = 0
+    steps: int = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Tensors and plain numbers only, so ``torch.load(..., weights_only=True)`` reads it."""
+        return {
+            "iter": self.iter,
+            "error": {k: v.detach().cpu().clone() for k, v in self.error.items()},
+            "q_memory": {k: v.detach().cpu().clone() for k, v in self.q_memory.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        """Restore :meth:`state_dict`'s output, moving tensors to ``device``."""
+        self.iter = int(state["iter"])
+        self.error = {int(k): v.to(device) for k, v in state["error"].items()}
+        self.q_memory = {int(k): v.to(device) for k, v in state["q_memory"].items()}
+
+
+def _bucket_views(bucket: dist.GradBucket) -> list[tuple[Tensor, Tensor]]:
+    """``(param, grad view into the flat bucket buffer)`` in bucket order."""
+    buffer = bucket.buffer()
+    views, offset = [], 0
+    for param in bucket.parameters():
+        views.append((param, buffer[offset : offset + param.numel()].view_as(param)))
+        offset += param.numel()
+    if offset != buffer.numel():
+        raise RuntimeError(
+            f"DDP bucket layout has {buffer.numel()} elements, its parameters {offset}; cannot compress."
+        )
+    return views
+
+
+def _worth_compressing(n: int, m: int, rank: int, min_rate: float) -> bool:
+    return (n + m) * rank * min_rate < n * m
+
+
+def _orthonormalise(matrix: Tensor) -> Tensor:
+    # Reduced QR: columns become an orthonormal basis of the same span.
+    return torch.linalg.qr(matrix, mode="reduced").Q if matrix.shape[1] > 0 else matrix
+
+
+def _initial_q(state: PowerSGDState, index: int, m: int, r: int, like: Tensor) -> Tensor:
+    generator = torch.Generator().manual_seed(state.seed * 1_000_003 + index)
+    return torch.randn(m, r, generator=generator, dtype=like.dtype).to(like.device)
+
+
+def _all_reduce_sum(state: PowerSGDState, tensor: Tensor) -> None:
+    state.bytes_sent += tensor.numel() * tensor.element_size()
+    # Synchronous on purpose: issuing every collective from this thread keeps the order identical on all ranks.
+    dist.all_reduce(tensor, group=state.process_group)
+
+
+def _completed(tensor: Tensor) -> torch.futures.Future[Tensor]:
+    future: torch.futures.Future[Tensor] = torch.futures.Future()
+    future.set_result(tensor)
+    return future
+
+
+def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP comm hook: average the bucket's gradients, rank-``r`` compressed per matrix after ``start_iter`` steps."""
+    world = dist.get_world_size(state.process_group)
+    buffer = bucket.buffer()
+    if bucket.is_last():
+        state.steps += 1
+    if state.iter < state.start_iter:
+        if bucket.is_last():
+            state.iter += 1
+        buffer.div_(world)
+        _all_reduce_sum(state, buffer)
+        return _completed(buffer)
+    if bucket.is_last():
+        state.iter += 1
+
+    plain: list[Tensor] = []
+    matrices: list[tuple[int, Tensor, Tensor]] = []  # (param index, grad view, n x m matrix with error added)
+    for param, grad in _bucket_views(bucket):
+        index = state.param_index[id(param)]
+        if grad.dim() < 2:
+            plain.append(grad)
+            continue
+        n = grad.shape[0]
+        m = grad.numel() // n
+        r = min(n, m, state.rank)
+        if not _worth_compressing(n, m, r, state.min_compression_rate):
+            plain.append(grad)
+            continue
+        matrix = grad.reshape(n, m)
+        if index in state.error:
+            matrix = matrix + state.error[index]
+        matrices.append((index, grad, matrix))
+
+    # Phase 1: P = M Q for every matrix, sent in one all-reduce together with the uncompressed gradients.
+    ps, qs = [], []
+    for index, _, matrix in matrices:
+        r = min(matrix.shape[0], matrix.shape[1], state.rank)
+        q = state.q_memory.get(index)
+        if q is None or q.shape != (matrix.shape[1], r):
+            q = _initial_q(state, index, matrix.shape[1], r, matrix)
+        q = _orthonormalise(q)
+        qs.append(q)
+        ps.append(matrix @ q)
+    plain_numel = sum(t.numel() for t in plain)
+    phase1 = torch.cat([t.reshape(-1) for t in plain] + [p.reshape(-1) for p in ps]) if plain or ps else buffer[:0]
+    _all_reduce_sum(state, phase1)
+    offset = 0
+    for t in plain:
+        t.copy_(phase1[offset : offset + t.numel()].view_as(t)).div_(world)
+        offset += t.numel()
+    assert offset == plain_numel
+    for i, p in enumerate(ps):
+        ps[i] = _orthonormalise(phase1[offset : offset + p.numel()].view_as(p))
+        offset += p.numel()
+
+    # Phase 2: Q = M^T P, all-reduced; the mean gradient is approximated by P Q^T / world.
+    new_qs = [matrix.t() @ p for (_, _, matrix), p in zip(matrices, ps, strict=True)]
+    if new_qs:
+        phase2 = torch.cat([q.reshape(-1) for q in new_qs])
+        _all_reduce_sum(state, phase2)
+        offset = 0
+        for (index, grad, matrix), p, q in zip(matrices, ps, new_qs, strict=True):
+            q_sum = phase2[offset : offset + q.numel()].view_as(q)
+            offset += q.numel()
+            approx = (p @ q_sum.t()).div_(world)
+            state.error[index] = matrix - approx
+            state.q_memory[index] = q_sum.clone()
+            grad.copy_(approx.view_as(grad))
+    return _completed(buffer)

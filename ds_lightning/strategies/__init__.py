@@ -1,0 +1,17 @@
+"""Lightning strategies of ds_lightning; importing this package registers their ``ds_*`` names."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from ds_lightning.strategies.mirrored import MirroredStrategy
+
+__all__ = ["MirroredStrategy", "available_strategies"]
+
+_STRATEGIES = (MirroredStrategy,)
+
+for _cls in _STRATEGIES:
+    _cls.register_strategies(StrategyRegistry)
+
+
+def available_strategies() -> list[str]:
+    """The ``ds_*`` names that ``Trainer(strategy=...)`` accepts once ``ds_lightning`` is imported."""
+    return sorted(name for name in StrategyRegistry.available_strategies() if name.startswith("ds_"))

@@ -1,0 +1,77 @@
+"""Start real training processes (``ds-train`` or a helper script) with one thread each and a free port."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = REPO / "examples" / "configs"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GROUP_RANK", "TF_CONFIG", "PL_GLOBAL_SEED"):
+        env.pop(var, None)
+    env.update(
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
+        PYTHONWARNINGS="ignore::DeprecationWarning",
+    )
+    env.update(extra)
+    return env
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+
+    def json(self, path: Path) -> dict[str, Any]:
+        assert path.exists(), f"{path} was not written; output:\n{self.output[-4000:]}"
+        return json.loads(path.read_text())
+
+
+def ds_train(args: list[str], timeout: float = 180, env: dict[str, str] | None = None, check: bool = True) -> Run:
+    """Run ``ds-train`` (through ``python -m ds_lightning.cli``) and return its exit code and output."""
+    cmd = [sys.executable, "-m", "ds_lightning.cli", *args]
+    start = time.monotonic()
+    proc = subprocess.run(
+        cmd,
+        cwd=REPO,
+        env=env or worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    run = Run(proc.returncode, proc.stdout, time.monotonic() - start)
+    if check:
+        assert run.returncode == 0, f"ds-train {' '.join(args)} failed ({run.returncode}):\n{run.output[-6000:]}"
+    return run
+
+
+def quiet_trainer_args(root: Path) -> list[str]:
+    return [
+        f"--trainer.default_root_dir={root}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.logger=false",
+    ]
