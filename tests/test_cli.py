@@ -150,3 +150,9 @@ def test_more_devices_than_available_fails_at_construction(tmp_path):
     assert run.returncode != 0
     assert "CUDA" in run.output or "cuda" in run.output
     assert "Initializing distributed" not in run.output
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_example_configs_parse(config):
+    run = ds_train(["fit", f"--config={config}", "--print_config"], timeout=60)
+    assert "ds_lightning" in run.output or "ds_mirrored" in run.output

@@ -136,9 +136,9 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         if not _worth_compressing(n, m, r, state.min_compression_rate):
             plain.append(grad)
             continue
-        matrix = grad.reshape(n, m)
-        if index in state.error:
-            matrix = matrix + state.error[index]
+        # A fresh tensor: the gradient view is overwritten with the result, and this one becomes the new error.
+        error = state.error.get(index)
+        matrix = grad.reshape(n, m) + error if error is not None else grad.reshape(n, m).clone()
         matrices.append((index, grad, matrix))
 
     # Phase 1: P = M Q for every matrix, sent in one all-reduce together with the uncompressed gradients.
@@ -172,8 +172,9 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         for (index, grad, matrix), p, q in zip(matrices, ps, new_qs, strict=True):
             q_sum = phase2[offset : offset + q.numel()].view_as(q)
             offset += q.numel()
-            approx = (p @ q_sum.t()).div_(world)
-            state.error[index] = matrix - approx
             state.q_memory[index] = q_sum.clone()
-            grad.copy_(approx.view_as(grad))
+            # Mean gradient ~ P Q^T / world, written straight into the bucket; the scale goes on the small factor.
+            approx = grad.view(matrix.shape)
+            torch.mm(p, q_sum.t().div(world), out=approx)
+            state.error[index] = matrix.sub_(approx)  # reuse the matrix's memory for the new local error
     return _completed(buffer)

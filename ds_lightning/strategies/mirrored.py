@@ -55,6 +55,8 @@ class MirroredStrategy(DDPStrategy):
         bucket_cap_mb: DDP gradient bucket size in MiB.
         static_graph: tell DDP the set of used parameters never changes (enables extra optimisations).
         find_unused_parameters: let DDP detect parameters that receive no gradient in a step.
+        gradient_as_bucket_view: let gradients live inside DDP's communication buckets, saving a copy per step and
+            the memory of a second gradient buffer (do not ``detach_()`` gradients in place when it is on).
         timeout: seconds any collective may wait before the run fails instead of hanging.
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``/``"forkserver"``
             use multiprocessing (like ``ddp_spawn``).
@@ -82,6 +84,7 @@ class MirroredStrategy(DDPStrategy):
         bucket_cap_mb: float = 25.0,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = True,
         timeout: float = 1800.0,
         start_method: StartMethod = "popen",
         even_batches: bool = True,
@@ -107,7 +110,13 @@ class MirroredStrategy(DDPStrategy):
                 f"process_group_backend={process_group_backend!r} is unknown; use one of {list(_BACKENDS)} or None"
                 " to pick NCCL on CUDA and gloo otherwise."
             )
-        for flag_name, flag in (("static_graph", static_graph), ("find_unused_parameters", find_unused_parameters)):
+        flags = (
+            ("static_graph", static_graph),
+            ("find_unused_parameters", find_unused_parameters),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("even_batches", even_batches),
+        )
+        for flag_name, flag in flags:
             if not isinstance(flag, bool):
                 raise ValueError(f"{flag_name}={flag!r} must be True or False.")
         self._compressor = GradientCompressor(
@@ -125,6 +134,7 @@ class MirroredStrategy(DDPStrategy):
             bucket_cap_mb=bucket_cap_mb,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view,
         )
         self.gradient_compression = gradient_compression
         self.even_batches = even_batches

@@ -57,6 +57,7 @@ class RecordStrategy(Callback):
             "ddp_bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None),
             "ddp_static_graph": getattr(model, "static_graph", None),
             "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
+            "ddp_gradient_as_bucket_view": getattr(model, "gradient_as_bucket_view", None),
             "ddp_comm_hook": model._comm_hooks[0][0].__name__ if getattr(model, "_comm_hooks", None) else None,
         }
         if trainer.is_global_zero:

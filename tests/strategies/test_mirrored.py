@@ -57,7 +57,12 @@ def test_bad_options_fail_at_construction_naming_the_value(kwargs, message):
 
 def test_options_reach_ddp_kwargs():
     strategy = MirroredStrategy(bucket_cap_mb=4, static_graph=True, find_unused_parameters=True, timeout=42)
-    assert strategy._ddp_kwargs == {"bucket_cap_mb": 4, "static_graph": True, "find_unused_parameters": True}
+    assert strategy._ddp_kwargs == {
+        "bucket_cap_mb": 4,
+        "static_graph": True,
+        "find_unused_parameters": True,
+        "gradient_as_bucket_view": True,
+    }
     assert strategy._timeout.total_seconds() == 42
 
 
@@ -129,13 +134,16 @@ def _strategy_yaml(path: Path, init_args: dict) -> Path:
             {"bucket_cap_mb": 2, "static_graph": "true", "find_unused_parameters": "false", "timeout": 77,
              "start_method": "popen", "process_group_backend": "gloo", "gradient_compression": "fp16"},
             {"ddp_bucket_bytes_cap": 2 * 1024 * 1024, "ddp_static_graph": True, "ddp_find_unused_parameters": False,
-             "pg_timeout_s": 77, "start_method": "popen", "backend": "gloo", "ddp_comm_hook": "_fp16_hook"},
+             "pg_timeout_s": 77, "start_method": "popen", "backend": "gloo", "ddp_comm_hook": "_fp16_hook",
+             "ddp_gradient_as_bucket_view": True},
         ),
         (
             {"bucket_cap_mb": 8, "static_graph": "false", "find_unused_parameters": "true", "timeout": 99,
-             "start_method": "spawn", "gradient_compression": "powersgd", "powersgd_rank": 1, "even_batches": "false"},
+             "start_method": "spawn", "gradient_compression": "powersgd", "powersgd_rank": 1, "even_batches": "false",
+             "gradient_as_bucket_view": "false"},
             {"ddp_bucket_bytes_cap": 8 * 1024 * 1024, "ddp_static_graph": False, "ddp_find_unused_parameters": True,
-             "pg_timeout_s": 99, "start_method": "spawn", "ddp_comm_hook": "_powersgd_hook", "even_batches": False},
+             "pg_timeout_s": 99, "start_method": "spawn", "ddp_comm_hook": "_powersgd_hook", "even_batches": False,
+             "ddp_gradient_as_bucket_view": False},
         ),
     ],
     ids=["popen-fp16-static", "spawn-powersgd-unused"],
