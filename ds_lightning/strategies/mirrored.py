@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 from datetime import timedelta
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -32,6 +34,7 @@ __all__ = ["MirroredStrategy"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 _CHECKPOINT_KEY = "ds_mirrored"
+_EXIT_HOOK_REGISTERED = False
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|pair closure|connection closed|connection reset", re.IGNORECASE)
 
 
@@ -187,6 +190,16 @@ class MirroredStrategy(DDPStrategy):
         self._num_nodes = tasks
 
     @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        global _EXIT_HOOK_REGISTERED
+        if not _EXIT_HOOK_REGISTERED and self._get_process_group_backend() != "nccl":
+            # Lightning does this for NCCL only; a gloo group left alive at interpreter exit can abort the process
+            # ("terminate called without an active exception") after training has succeeded.
+            atexit.register(_destroy_dist_connection)
+            _EXIT_HOOK_REGISTERED = True
+
+    @override
     def set_world_ranks(self) -> None:
         self._adopt_tf_config()
         super().set_world_ranks()
@@ -214,7 +227,7 @@ class MirroredStrategy(DDPStrategy):
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         # Prediction deliberately gives ranks uneven shards and runs no collectives per batch.
         if not self.even_batches or (trainer is not None and trainer.state.fn == TrainerFn.PREDICTING):
             return dataloader
