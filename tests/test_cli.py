@@ -34,7 +34,7 @@ def test_print_config_shows_the_strategy_and_options():
         ],
         timeout=60,
     )
-    assert "class_path: ds_lightning.strategies.MirroredStrategy" in run.output or "ds_lightning" in run.output
+    assert "strategy: ds_lightning.strategies.MirroredStrategy" in run.output
 
 
 def test_unknown_ds_name_lists_the_available_ones():
@@ -111,6 +111,7 @@ def test_evaluation_subcommands_run_distributed(tmp_path, digits_checkpoint, sub
     run = ds_train(
         [subcommand, f"--config={MIRRORED}", f"--ckpt_path={digits_checkpoint}", *quiet_trainer_args(tmp_path)]
     )
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in run.output
     if subcommand == "validate":
         assert "val_acc" in run.output
     elif subcommand == "test":
@@ -148,11 +149,11 @@ def test_more_devices_than_available_fails_at_construction(tmp_path):
         check=False,
     )
     assert run.returncode != 0
-    assert "CUDA" in run.output or "cuda" in run.output
+    assert "not available" in run.output, run.output[-3000:]
     assert "Initializing distributed" not in run.output
 
 
 @pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
 def test_example_configs_parse(config):
     run = ds_train(["fit", f"--config={config}", "--print_config"], timeout=60)
-    assert "ds_lightning" in run.output or "ds_mirrored" in run.output
+    assert "strategy: ds_mirrored" in run.output or "class_path: ds_lightning.strategies.MirroredStrategy" in run.output

@@ -151,14 +151,12 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
         q = _orthonormalise(q)
         qs.append(q)
         ps.append(matrix @ q)
-    plain_numel = sum(t.numel() for t in plain)
     phase1 = torch.cat([t.reshape(-1) for t in plain] + [p.reshape(-1) for p in ps]) if plain or ps else buffer[:0]
     _all_reduce_sum(state, phase1)
     offset = 0
     for t in plain:
         t.copy_(phase1[offset : offset + t.numel()].view_as(t)).div_(world)
         offset += t.numel()
-    assert offset == plain_numel
     for i, p in enumerate(ps):
         ps[i] = _orthonormalise(phase1[offset : offset + p.numel()].view_as(p))
         offset += p.numel()

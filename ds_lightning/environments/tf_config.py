@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from lightning.fabric.plugins.environments import ClusterEnvironment
@@ -58,7 +58,6 @@ class TFConfig:
     cluster: dict[str, list[tuple[str, int]]]
     task_type: str
     task_index: int
-    raw: dict[str, Any] = field(repr=False, compare=False, default_factory=dict)
 
     @classmethod
     def from_json(cls, text: str) -> TFConfig:
@@ -137,7 +136,7 @@ class TFConfig:
                 f"TF_CONFIG field `task.index` is {index}, out of range for job {task_type!r} with {size} task(s)"
                 f" (valid: 0..{size - 1})."
             )
-        return cls(cluster=cluster, task_type=task_type, task_index=index, raw=data)
+        return cls(cluster=cluster, task_type=task_type, task_index=index)
 
     @property
     def training_tasks(self) -> list[tuple[str, int]]:
