@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import re
 from datetime import timedelta
@@ -11,9 +10,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -24,8 +21,9 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
-from ds_lightning.environments.tf_config import TFConfigEnvironment, TFConfigError
+from ds_lightning.strategies._cluster import adopt_tf_config, destroy_process_group_at_exit
 from ds_lightning.strategies._even_batches import even_batches
+from ds_lightning.strategies._registration import register_start_methods
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +32,6 @@ __all__ = ["MirroredStrategy"]
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 _BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 _CHECKPOINT_KEY = "ds_mirrored"
-_EXIT_HOOK_REGISTERED = False
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|pair closure|connection closed|connection reset", re.IGNORECASE)
 
 
@@ -146,62 +143,25 @@ class MirroredStrategy(DDPStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries = (("ds_mirrored", "popen"), ("ds_mirrored_spawn", "spawn"), ("ds_mirrored_fork", "fork"))
-        for name, start_method in entries:
-            if name not in strategy_registry:
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"ds_lightning mirrored data parallelism with start_method={start_method!r}",
-                    start_method=start_method,
-                )
+        register_start_methods(
+            strategy_registry,
+            cls,
+            "mirrored data parallelism",
+            (("ds_mirrored", "popen"), ("ds_mirrored_spawn", "spawn"), ("ds_mirrored_fork", "fork")),
+        )
 
     # --- cluster: TF_CONFIG ---------------------------------------------------------------------------------------
-
-    def _adopt_tf_config(self) -> None:
-        """Use ``TF_CONFIG`` when it is set and no more specific environment was chosen, and validate it for us."""
-        env = self.cluster_environment
-        if (env is None or type(env) is LightningEnvironment) and TFConfigEnvironment.detect():
-            env = self.cluster_environment = TFConfigEnvironment()
-        if not isinstance(env, TFConfigEnvironment):
-            return
-        config = env.config
-        if config.task_type == "ps":
-            raise TFConfigError(
-                f"TF_CONFIG field `task.type` is 'ps' (index {config.task_index}), but ds_mirrored has no parameter"
-                " servers. Start this task with strategy='ds_parameter_server', or remove it from the cluster."
-            )
-        if config.task_type == "evaluator":
-            raise TFConfigError(
-                "TF_CONFIG field `task.type` is 'evaluator', which ds_mirrored does not run; evaluate with"
-                " `ds-train validate` outside the cluster instead."
-            )
-        if "ps" in config.cluster:
-            raise TFConfigError(
-                f"TF_CONFIG field `cluster.ps` lists {len(config.cluster['ps'])} parameter server(s), which ds_mirrored"
-                " would never use; remove `ps` from the cluster or use strategy='ds_parameter_server'."
-            )
-        tasks = config.num_training_tasks
-        if self._num_nodes not in (1, tasks):
-            raise TFConfigError(
-                f"TF_CONFIG lists {tasks} training task(s) (chief + workers) but Trainer(num_nodes={self._num_nodes});"
-                f" use num_nodes={tasks} or leave it at its default."
-            )
-        self._num_nodes = tasks
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        global _EXIT_HOOK_REGISTERED
-        if not _EXIT_HOOK_REGISTERED and self._get_process_group_backend() != "nccl":
-            # Lightning does this for NCCL only; a gloo group left alive at interpreter exit can abort the process
-            # ("terminate called without an active exception") after training has succeeded.
-            atexit.register(_destroy_dist_connection)
-            _EXIT_HOOK_REGISTERED = True
+        destroy_process_group_at_exit(self._get_process_group_backend())
 
     @override
     def set_world_ranks(self) -> None:
-        self._adopt_tf_config()
+        self.cluster_environment, self._num_nodes = adopt_tf_config(
+            "ds_mirrored", self.cluster_environment, self._num_nodes
+        )
         super().set_world_ranks()
 
     # --- DDP wrapping and compression -----------------------------------------------------------------------------
