@@ -1,0 +1,78 @@
+"""Measure each layer's compute time and memory on a sample batch, the inputs of ``balance="auto"``."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """Cost of one layer on the sample batch.
+
+    Attributes:
+        seconds: median forward + backward time.
+        parameter_bytes: bytes of the layer's parameters and their gradients.
+        activation_bytes: bytes of the layer's output, which the pipeline keeps until the backward pass.
+
+    """
+
+    seconds: float
+    parameter_bytes: int
+    activation_bytes: int
+
+    @property
+    def memory_bytes(self) -> int:
+        """Parameters, gradients and the saved output."""
+        return self.parameter_bytes + self.activation_bytes
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def profile_layers(
+    layers: Sequence[nn.Module], sample: torch.Tensor, device: torch.device, repeats: int = 5
+) -> list[LayerProfile]:
+    """Time forward + backward of every layer in turn, feeding each the previous layer's output.
+
+    Layers are moved to ``device`` for the measurement and moved back afterwards; their gradients are left as they
+    were. The first of ``repeats`` passes is a warm-up and not counted.
+    """
+    if repeats < 2:
+        raise ValueError(f"repeats={repeats} must be >= 2 (the first pass is a warm-up).")
+    profiles = []
+    x = sample.to(device)
+    for layer in layers:
+        home = next(layer.parameters(), torch.empty(0)).device
+        saved_grads = [p.grad for p in layer.parameters()]
+        layer.to(device)
+        timings = []
+        for _ in range(repeats):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            _sync(device)
+            start = time.perf_counter()
+            out = layer(inp)
+            if out.requires_grad:
+                out.backward(torch.ones_like(out))
+            _sync(device)
+            timings.append(time.perf_counter() - start)
+        for p, g in zip(layer.parameters(), saved_grads, strict=True):
+            p.grad = g
+        param_bytes = sum(2 * p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
+        profiles.append(
+            LayerProfile(
+                seconds=statistics.median(timings[1:]),
+                parameter_bytes=param_bytes,
+                activation_bytes=out.numel() * out.element_size(),
+            )
+        )
+        layer.to(home)
+        x = out.detach()
+    return profiles
