@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ds_lightning-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench bench-pipeline clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,9 @@ lint: setup
 
 bench: setup
 	$(PY) benchmarks/mirrored.py
+
+bench-pipeline: setup
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache

@@ -4,8 +4,16 @@
 """
 
 from ds_lightning.environments import TFConfigEnvironment, TFConfigError
-from ds_lightning.strategies import MirroredStrategy, available_strategies
+from ds_lightning.strategies import MirroredStrategy, ModelParallelStrategy, PipelineStrategy, available_strategies
 
 __version__ = "0.1.0"
 
-__all__ = ["MirroredStrategy", "TFConfigEnvironment", "TFConfigError", "__version__", "available_strategies"]
+__all__ = [
+    "MirroredStrategy",
+    "ModelParallelStrategy",
+    "PipelineStrategy",
+    "TFConfigEnvironment",
+    "TFConfigError",
+    "__version__",
+    "available_strategies",
+]

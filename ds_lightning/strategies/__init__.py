@@ -3,10 +3,12 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from ds_lightning.strategies.mirrored import MirroredStrategy
+from ds_lightning.strategies.model_parallel import ModelParallelStrategy
+from ds_lightning.strategies.pipeline import PipelineStrategy
 
-__all__ = ["MirroredStrategy", "available_strategies"]
+__all__ = ["MirroredStrategy", "ModelParallelStrategy", "PipelineStrategy", "available_strategies"]
 
-_STRATEGIES = (MirroredStrategy,)
+_STRATEGIES = (MirroredStrategy, PipelineStrategy, ModelParallelStrategy)
 
 for _cls in _STRATEGIES:
     _cls.register_strategies(StrategyRegistry)

@@ -1,0 +1,432 @@
+"""``ds_model_parallel``: one process splits an ``nn.Sequential`` across devices and feeds it GPipe micro-batches."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.strategies.registry import _StrategyRegistry
+from lightning.fabric.utilities.apply_func import apply_to_collection, move_data_to_device
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.core import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from torch.utils.checkpoint import checkpoint
+from typing_extensions import override
+
+from ds_lightning.pipelining.clock import clock_cycles
+from ds_lightning.pipelining.partition import partition_by_cost, resolve_balance, stage_layer_ranges
+from ds_lightning.pipelining.profile import profile_layers
+
+__all__ = ["ModelParallelStrategy"]
+
+_CPU = torch.device("cpu")
+
+
+def _parse_devices(devices: Sequence[str | torch.device] | None) -> list[torch.device]:
+    """Turn the ``devices`` option into torch devices, or pick the default: every CUDA device, else two CPUs."""
+    if devices is None:
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return [torch.device("cuda", i) for i in range(count)] if count else [_CPU, _CPU]
+    if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or len(devices) == 0:
+        raise ValueError(
+            f"devices={devices!r} must be a non-empty list with one device per stage, e.g. "
+            "ModelParallelStrategy(devices=['cuda:0', 'cuda:1']) or devices=['cpu', 'cpu']."
+        )
+    parsed = []
+    for entry in devices:
+        try:
+            device = torch.device(entry)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(
+                f"devices={list(devices)!r}: {entry!r} is not a torch device; write each one like 'cuda:0' or 'cpu'."
+            ) from err
+        if device.type == "cuda" and device.index is None:
+            raise ValueError(
+                f"devices={list(devices)!r}: {entry!r} has no index, so every stage would land on the current GPU;"
+                " name each GPU, e.g. devices=['cuda:0', 'cuda:1']."
+            )
+        parsed.append(device)
+    types = sorted({d.type for d in parsed})
+    if len(types) > 1:
+        first = parsed[0].type
+        example = [f"cuda:{i}" for i in range(len(parsed))] if first == "cuda" else [first] * len(parsed)
+        raise ValueError(
+            f"devices={list(devices)!r} mixes device types {types}; one Trainer drives one accelerator, so use one"
+            f" type for every stage, e.g. devices={example!r}."
+        )
+    return parsed
+
+
+def _check_balance(balance: Sequence[int] | str | None, n_stages: int) -> list[int] | Literal["auto"] | None:
+    if balance is None or balance == "auto":
+        return balance  # type: ignore[return-value]
+    example = f"balance={[1] * n_stages}" if n_stages > 1 else "balance=[1]"
+    if isinstance(balance, str) or not isinstance(balance, Sequence):
+        raise ValueError(
+            f"balance={balance!r} must be None (equal layer counts), 'auto' (split by measured layer time) or one"
+            f" layer count per stage, e.g. {example}."
+        )
+    entries = list(balance)
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in entries):
+        raise ValueError(f"balance={entries!r} must hold positive integers (layers per stage), e.g. {example}.")
+    if len(entries) != n_stages:
+        raise ValueError(
+            f"balance={entries!r} has {len(entries)} entries but devices name {n_stages} stages; give one layer count"
+            f" per device, e.g. {example}."
+        )
+    return entries
+
+
+def _optimizer_states_to_param_devices(optimizers: Sequence[Optimizer]) -> None:
+    """Move each optimizer state next to its parameter (Lightning moves them all to the root device)."""
+    for optimizer in optimizers:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # LightningOptimizer
+        for param, state in list(optimizer.state.items()):
+            if not isinstance(param, Tensor):
+                continue
+            if not isinstance(state, MutableMapping):
+                optimizer.state[param] = apply_to_collection(
+                    state, Tensor, move_data_to_device, param.device, allow_frozen=True
+                )
+                continue
+            for key, value in state.items():
+                # 'step' stays where the optimizer keeps it (usually the CPU), as in Lightning's _optimizer_to_device.
+                if key != "step":
+                    state[key] = move_data_to_device(value, param.device)
+
+
+@contextmanager
+def _without_child(module: nn.Module, name: str) -> Iterator[None]:
+    """Hide one child from ``module.to()`` and friends; its slot (and so the ``state_dict`` order) is kept."""
+    child = module._modules[name]
+    module._modules[name] = None
+    try:
+        yield
+    finally:
+        module._modules[name] = child
+
+
+class _MicroBatchedSequential(nn.Sequential):
+    """The user's layers, unchanged and under their original names, run stage by stage on GPipe micro-batches.
+
+    The layers are the same objects as in the user's ``nn.Sequential``, so ``state_dict()`` keys do not change. Each
+    stage's layers live on that stage's device; ``forward`` moves activations between devices and returns the output
+    on the first device. Autograd runs the backward pass across the devices.
+    """
+
+    def __init__(
+        self,
+        original: nn.Sequential,
+        balance: Sequence[int],
+        devices: Sequence[torch.device],
+        n_microbatches: int,
+        activation_checkpointing: bool,
+    ) -> None:
+        super().__init__(OrderedDict(original._modules.items()))
+        self.training = original.training
+        layers = list(original._modules.values())
+        # Plain lists (not registered submodules), so the layers keep their one name each in the state_dict.
+        self._stages: list[list[nn.Module]] = [[layers[i] for i in r] for r in stage_layer_ranges(balance)]
+        self._devices = list(devices)
+        self._balance = list(balance)
+        self.n_microbatches = n_microbatches
+        self.activation_checkpointing = activation_checkpointing
+
+    def _run_stage(self, stage: int, x: Tensor) -> Tensor:
+        for layer in self._stages[stage]:
+            x = layer(x)
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"ds_model_parallel: stage {stage} returned {type(x).__name__}; every layer of the split nn.Sequential"
+                " must take and return a single tensor."
+            )
+        return x
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        """Split ``x`` into micro-batches along dim 0, run them through the stages in clock order, concatenate."""
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            raise TypeError(
+                f"ds_model_parallel splits its input along dim 0 into micro-batches, so it needs a tensor with a"
+                f" batch dimension; got {type(x).__name__ if not isinstance(x, Tensor) else 'a 0-dim tensor'}."
+            )
+        n_chunks = max(1, min(self.n_microbatches, x.shape[0]))
+        chunks = list(torch.tensor_split(x.to(self._devices[0]), n_chunks))
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        for tick in clock_cycles(n_chunks, len(self._stages)):
+            for i, j in tick:
+                h = chunks[i].to(self._devices[j])
+                chunks[i] = (
+                    checkpoint(self._run_stage, j, h, use_reentrant=False) if recompute else self._run_stage(j, h)
+                )
+        return torch.cat(chunks).to(self._devices[0])
+
+    @override
+    def __getitem__(self, idx: int | slice) -> Any:
+        if isinstance(idx, slice):
+            # nn.Sequential would call our constructor with one OrderedDict; a slice is an ordinary Sequential.
+            return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
+        return super().__getitem__(idx)
+
+    @override
+    def extra_repr(self) -> str:
+        devices = [str(d) for d in self._devices]
+        return f"balance={self._balance}, devices={devices}, n_microbatches={self.n_microbatches}"
+
+
+class ModelParallelStrategy(SingleDeviceStrategy):
+    """Single-process model parallelism: the layers of an ``nn.Sequential`` are split across devices, GPipe-style.
+
+    The classic "first part on ``cuda:0``, second part on ``cuda:1``" split, plus micro-batching so the devices can
+    work on different micro-batches at once (GPipe fill-drain order; CUDA kernels launch asynchronously). The
+    LightningModule trains unchanged: the ``nn.Sequential`` attribute named by ``pipe_module`` is replaced during
+    ``fit``/``validate``/``test``/``predict`` by a wrapper holding the same layer objects, so ``state_dict`` keys,
+    checkpoints and the optimizer's parameters are those of the plain module; afterwards the original
+    ``nn.Sequential`` is put back. Batches go to the first device, and the split part returns its output there.
+
+    Checkpoints hold their tensors on the CPU, so a run on four GPUs can be loaded on a machine with one.
+
+    Micro-batching leaves the computed function unchanged for layers that treat rows independently; layers that mix
+    rows of a batch (``BatchNorm``) see micro-batches instead of the whole batch.
+
+    Args:
+        devices: one device per stage, all of one type, e.g. ``["cuda:0", "cuda:1"]``. ``None``: every visible CUDA
+            device, or ``["cpu", "cpu"]`` without CUDA (two stages on the CPU, which exercises the split).
+        n_microbatches: micro-batches per batch; a batch with fewer rows gets one micro-batch per row.
+        balance: layers per stage. ``None``: equal counts (earlier stages take one more). ``"auto"``: split by the
+            forward + backward time of every layer on ``LightningModule.example_input_array``, measured on the first
+            device at setup. A list: explicit counts, one per device.
+        pipe_module: name of the LightningModule's ``nn.Sequential`` attribute to split.
+        activation_checkpointing: keep only each stage's input per micro-batch and recompute the rest in the
+            backward pass, trading compute for activation memory.
+        accelerator: set by the Trainer.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+
+    Raises:
+        ValueError: for any invalid option, naming the value and the fix.
+
+    """
+
+    strategy_name = "ds_model_parallel"
+
+    def __init__(
+        self,
+        devices: list[str] | None = None,
+        n_microbatches: int = 1,
+        balance: list[int] | Literal["auto"] | None = None,
+        pipe_module: str = "net",
+        activation_checkpointing: bool = False,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        stage_devices = _parse_devices(devices)
+        if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
+            raise ValueError(
+                f"n_microbatches={n_microbatches!r} must be an integer >= 1, e.g. "
+                "ModelParallelStrategy(n_microbatches=4); 1 runs each batch whole."
+            )
+        checked_balance = _check_balance(balance, len(stage_devices))
+        if not isinstance(pipe_module, str) or not pipe_module.isidentifier():
+            raise ValueError(
+                f"pipe_module={pipe_module!r} must be the name of the LightningModule's nn.Sequential attribute, "
+                "e.g. pipe_module='net' for `self.net = nn.Sequential(...)`."
+            )
+        if not isinstance(activation_checkpointing, bool):
+            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be True or False.")
+        super().__init__(
+            device=stage_devices[0],
+            accelerator=accelerator,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        self._stage_devices = stage_devices
+        self.n_microbatches = n_microbatches
+        self.balance = checked_balance
+        self.pipe_module = pipe_module
+        self.activation_checkpointing = activation_checkpointing
+        self._balance_used: list[int] | None = None
+        self._original: nn.Sequential | None = None
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name,
+                cls,
+                description="ds_lightning single-process model parallelism: an nn.Sequential split across devices"
+                " with GPipe micro-batching",
+            )
+
+    # --- devices ---------------------------------------------------------------------------------------------------
+
+    @property
+    def stage_devices(self) -> list[torch.device]:
+        """The device of each stage; the first is the root device, where batches and outputs live."""
+        return list(self._stage_devices)
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The stage devices, under the name Lightning's accelerator connector reads.
+
+        With ``Trainer(accelerator="auto")`` this picks the accelerator of the devices' type, and an explicit
+        accelerator of another type fails at ``Trainer(...)`` instead of at the first ``.to()``.
+        """
+        return self.stage_devices
+
+    @property
+    def balance_used(self) -> list[int] | None:
+        """Layers per stage of the latest setup (resolved from ``balance``), or ``None`` before the first setup."""
+        return None if self._balance_used is None else list(self._balance_used)
+
+    @override
+    def setup_environment(self) -> None:
+        cuda = [d for d in self._stage_devices if d.type == "cuda"]
+        if cuda:
+            count = torch.cuda.device_count()
+            missing = [str(d) for d in cuda if d.index is None or d.index >= count]
+            if missing:
+                raise ValueError(
+                    f"ModelParallelStrategy(devices={[str(d) for d in self._stage_devices]}) names {missing}, but"
+                    f" this machine shows {count} CUDA device(s); use indices below {count}"
+                    " (CUDA_VISIBLE_DEVICES renumbers them from 0)."
+                )
+        super().setup_environment()
+
+    # --- the split ---------------------------------------------------------------------------------------------------
+
+    def _pipe_sequence(self, module: LightningModule) -> nn.Sequential:
+        name = self.pipe_module
+        if name not in module._modules:
+            raise AttributeError(
+                f"ds_model_parallel splits `{type(module).__name__}.{name}`, which does not exist. Put the layers to"
+                f" split in an nn.Sequential attribute, e.g. `self.{name} = nn.Sequential(...)`, or name yours with"
+                " ModelParallelStrategy(pipe_module=...)."
+            )
+        seq = module._modules[name]
+        if not isinstance(seq, nn.Sequential):
+            raise TypeError(
+                f"ds_model_parallel splits `{type(module).__name__}.{name}`, which is a {type(seq).__name__}, not an"
+                " nn.Sequential. The contract: the part to split is an nn.Sequential of layers that each take and"
+                " return one tensor, called from training_step as `self.{name}(x)`."
+            )
+        if type(seq).forward is not nn.Sequential.forward:
+            raise TypeError(
+                f"`{type(module).__name__}.{name}` is a {type(seq).__name__} with its own forward, which a split into"
+                " stages would not run. Make it a plain nn.Sequential of its layers and keep the extra logic in the"
+                " LightningModule."
+            )
+        return seq
+
+    def _resolve_balance(self, seq: nn.Sequential, module: LightningModule) -> list[int]:
+        n_layers, n_stages = len(seq), len(self._stage_devices)
+        if self.balance != "auto":
+            return resolve_balance(n_layers, n_stages, self.balance)
+        resolve_balance(n_layers, n_stages, None)  # more stages than layers fails here, before profiling
+        sample = module.example_input_array
+        if sample is None:
+            raise ValueError(
+                f"ModelParallelStrategy(balance='auto') times each layer of `{self.pipe_module}` on"
+                " `LightningModule.example_input_array`, which is None. Set `self.example_input_array = torch.randn("
+                "batch, ...)` in your module's __init__ (the input of the nn.Sequential), or pass balance=None or an"
+                " explicit list."
+            )
+        if not isinstance(sample, Tensor):
+            raise ValueError(
+                f"ModelParallelStrategy(balance='auto') needs `example_input_array` to be one tensor (the input of"
+                f" `{self.pipe_module}`), got {type(sample).__name__}; set a tensor or pass an explicit balance."
+            )
+        sample = self.precision_plugin.convert_input(sample)
+        with self.precision_plugin.forward_context():
+            profiles = profile_layers(list(seq), sample, self._stage_devices[0])
+        return partition_by_cost([p.seconds for p in profiles], n_stages)
+
+    def _split(self, module: LightningModule) -> None:
+        seq = self._pipe_sequence(module)
+        balance = self._resolve_balance(seq, module)
+        wrapped = _MicroBatchedSequential(
+            seq, balance, self._stage_devices, self.n_microbatches, self.activation_checkpointing
+        )
+        setattr(module, self.pipe_module, wrapped)
+        self._original = seq
+        self._balance_used = balance
+        rank_zero_info(
+            f"ds_model_parallel: `{self.pipe_module}` ({len(seq)} layers) split with balance={balance} over"
+            f" {[str(d) for d in self._stage_devices]}, {self.n_microbatches} micro-batch(es) per batch"
+            + (", activation checkpointing" if self.activation_checkpointing else "")
+        )
+
+    def _restore(self) -> None:
+        module = self.lightning_module
+        if self._original is None or module is None:
+            return
+        wrapped = module._modules.get(self.pipe_module)
+        if isinstance(wrapped, _MicroBatchedSequential):
+            self._original.training = wrapped.training  # the container only; the layers keep their own modes
+        setattr(module, self.pipe_module, self._original)
+        self._original = None
+
+    @override
+    def model_to_device(self) -> None:
+        """Split the pipe module (once per setup), put its stages on their devices and the rest on the root device."""
+        module = self.lightning_module
+        assert module is not None and self.model is not None, "the model must be connected before model_to_device()"
+        if self._original is None:
+            self._split(module)
+        wrapped = module._modules[self.pipe_module]
+        assert isinstance(wrapped, _MicroBatchedSequential)
+        with _without_child(module, self.pipe_module):
+            self.model.to(self.root_device)
+        for layers, device in zip(wrapped._stages, self._stage_devices, strict=True):
+            for layer in layers:
+                layer.to(device)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)  # calls model_to_device() after the precision plugin converted the module
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Strategy.setup moved every optimizer state to the root device.
+            _optimizer_states_to_param_devices(self.optimizers)
+
+    @override
+    def teardown(self) -> None:
+        self._restore()
+        super().teardown()  # moves the (restored) module and the optimizer states to the CPU
+
+    # --- checkpoints -------------------------------------------------------------------------------------------------
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        state = super().lightning_module_state_dict()
+        for key, value in state.items():  # in place: keeps the state_dict's `_metadata` (layer versions)
+            if isinstance(value, Tensor):
+                state[key] = value.to(_CPU)
+        return state
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        return move_data_to_device(super().optimizer_state(optimizer), _CPU)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        states = checkpoint["optimizer_states"]
+        if len(states) != len(self.optimizers):
+            raise ValueError(
+                f"The checkpoint holds {len(states)} optimizer state(s) but configure_optimizers() returned"
+                f" {len(self.optimizers)} optimizer(s); resume with the optimizers the checkpoint was written with."
+            )
+        for optimizer, state in zip(self.optimizers, states, strict=True):
+            optimizer.load_state_dict(state)
+        _optimizer_states_to_param_devices(self.optimizers)
