@@ -1,0 +1,348 @@
+"""One launch of the pipeline benchmark: every configuration of one (implementation, processes) pair.
+
+Started by ``benchmarks/pipeline.py`` with a JSON spec. ``--impl single`` runs one process (forward + backward + step,
+optionally over m sequential chunks); ``hand`` spawns p ranks running a hand-written ``torch.distributed.pipelining``
+loop; ``ds`` runs one Lightning Trainer with ``ds_pipeline`` per configuration (Lightning's popen launcher re-runs this
+script per rank, and the process group stays up between fits). Each rank appends one JSON line per finished
+configuration to ``<records>/rank<r>.jsonl``, so a crash or a hang loses only the configuration it happened in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WIDTH, DEPTH, BATCH, SAMPLES, LR = 512, 8, 128, 1024, 0.01
+
+
+# --- activation memory ------------------------------------------------------------------------------------------------
+
+
+class _Saved:
+    """What autograd stores instead of a saved tensor; releasing it gives the bytes back to the meter."""
+
+    __slots__ = ("key", "meter", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, key: tuple[int, int], meter: ActivationMeter) -> None:
+        self.tensor, self.key, self.meter = tensor, key, meter
+
+    def __del__(self) -> None:
+        self.meter.release(self.key)
+
+
+class ActivationMeter:
+    """Live and peak bytes of the tensors autograd saves for backward inside :class:`Counted` blocks.
+
+    Parameters (the weight a Linear saves) are not activations and are skipped. A tensor saved twice (a ReLU's output
+    is also the next Linear's input) counts once while any of its saves is alive.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[tuple[int, int], int] = {}
+
+    def pack(self, skip: frozenset[int], tensor: torch.Tensor) -> Any:
+        ptr = tensor.data_ptr()
+        if ptr in skip:
+            return tensor
+        key = (ptr, tensor.nbytes)
+        count = self._refs.get(key, 0)
+        if count == 0:
+            self.live += tensor.nbytes
+            self.peak = max(self.peak, self.live)
+        self._refs[key] = count + 1
+        # Detached: a saved output holding its own grad_fn would be a reference cycle, freed only by the gc.
+        return _Saved(tensor.detach(), key, self)
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def release(self, key: tuple[int, int]) -> None:
+        count = self._refs[key] - 1
+        if count:
+            self._refs[key] = count
+        else:
+            del self._refs[key]
+            self.live -= key[1]
+
+    def reset_peak(self) -> None:
+        self.peak = self.live
+
+
+METER = ActivationMeter()
+
+
+class Counted(nn.Module):
+    """Runs one block with its saved-for-backward tensors counted by :data:`METER` (used by every implementation)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skip = frozenset(p.data_ptr() for p in self.block.parameters())
+        with torch.autograd.graph.saved_tensors_hooks(functools.partial(METER.pack, skip), METER.unpack):
+            return self.block(x)
+
+
+def make_net(seed: int) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(*(Counted(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())) for _ in range(DEPTH)))
+
+
+def make_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed + 1)
+    return torch.randn(SAMPLES, WIDTH, generator=g), torch.randn(SAMPLES, WIDTH, generator=g)
+
+
+def batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = make_data(seed)
+    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, SAMPLES, BATCH)]
+
+
+def stage_blocks(net: nn.Sequential, stage: int, stages: int) -> nn.Sequential:
+    per = DEPTH // stages
+    return nn.Sequential(*net[stage * per : (stage + 1) * per])
+
+
+def unit_bytes(seed: int, stage: int, stages: int, m: int) -> int:
+    """Activation bytes one micro-batch (BATCH / m rows) leaves saved in one stage's blocks."""
+    blocks = stage_blocks(make_net(seed), stage, stages)
+    x = torch.randn(BATCH // m, WIDTH, requires_grad=stage > 0)
+    base = METER.live
+    METER.reset_peak()
+    out = blocks(x)
+    measured = METER.peak - base
+    del out
+    METER.reset_peak()
+    return measured
+
+
+def record(spec: dict[str, Any], rank: int, cfg: dict[str, Any], times: list[float], **extra: Any) -> None:
+    line = {
+        "key": cfg["key"],
+        "rank": rank,
+        "step_ms": [1000 * t for t in times],
+        "median_step_ms": 1000 * statistics.median(times) if times else None,
+        **extra,
+    }
+    path = Path(spec["records"]) / f"rank{rank}.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(line) + "\n")
+        f.flush()
+
+
+# --- single process ---------------------------------------------------------------------------------------------------
+
+
+def run_single(spec: dict[str, Any]) -> None:
+    torch.set_num_threads(1)
+    data = batches(spec["seed"])
+    for cfg in spec["configs"]:
+        m = cfg["m"]
+        net = make_net(spec["seed"])
+        optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+        times: list[float] = []
+        for step in range(spec["warmup"] + spec["steps"]):
+            x, y = data[step % len(data)]
+            if step == spec["warmup"]:
+                METER.reset_peak()
+            start = time.perf_counter()
+            if m == 1:
+                F.mse_loss(net(x), y).backward()
+            else:  # m sequential chunks, gradients accumulated: micro-batching without a pipeline
+                for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
+                    (F.mse_loss(net(xc), yc) / m).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            elapsed = time.perf_counter() - start
+            if step >= spec["warmup"]:
+                times.append(elapsed)
+        peak = METER.peak
+        record(spec, 0, cfg, times, peak_bytes={"0": peak}, unit_bytes={"0": unit_bytes(spec["seed"], 0, 1, m)})
+
+
+# --- hand-written torch.distributed.pipelining loop -------------------------------------------------------------------
+
+
+def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
+    import torch.distributed as dist
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from ds_lightning.pipelining.trace import SpanRecorder
+    from ds_lightning.strategies._pipe_module import TracedStage
+
+    torch.set_num_threads(1)
+    p = spec["procs"]
+    dist.init_process_group("gloo", rank=rank, world_size=p, timeout=timedelta(seconds=spec["dist_timeout"]))
+    data = batches(spec["seed"])
+    classes = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
+    for cfg in spec["configs"]:
+        dist.barrier()
+        m = cfg["m"]
+        blocks = stage_blocks(make_net(spec["seed"]), rank, p)
+        recorder = SpanRecorder(rank, steps=spec["trace_steps"], skip_steps=1)
+        stage = TracedStage(blocks, rank, p, torch.device("cpu"), recorder=recorder)
+        schedule = classes[cfg["schedule"]](stage, n_microbatches=m, loss_fn=F.mse_loss, scale_grads=True)
+        optimizer = torch.optim.SGD(blocks.parameters(), lr=LR)
+        times: list[float] = []
+        for step in range(spec["warmup"] + spec["steps"]):
+            x, y = data[step % len(data)]
+            recorder.begin_step(step)
+            if step == spec["warmup"]:
+                METER.reset_peak()
+            start = time.perf_counter()
+            if rank == 0:
+                schedule.step(x)
+            elif rank == p - 1:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+            optimizer.step()
+            optimizer.zero_grad()
+            elapsed = time.perf_counter() - start
+            if step >= spec["warmup"]:
+                times.append(elapsed)
+        peak = METER.peak
+        unit = unit_bytes(spec["seed"], rank, p, m)
+        record(
+            spec,
+            rank,
+            cfg,
+            times,
+            peak_bytes={str(rank): peak},
+            unit_bytes={str(rank): unit},
+            spans=recorder.to_payload(),
+        )
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_hand(spec: dict[str, Any]) -> None:
+    import torch.multiprocessing as mp
+
+    mp.spawn(_hand_rank, args=(spec,), nprocs=spec["procs"], join=True)
+
+
+# --- ds_pipeline under a Lightning Trainer ----------------------------------------------------------------------------
+
+
+def _spans_from_chrome(path: Path) -> list[list[Any]]:
+    """Span payload tuples back from the strategy's Chrome trace (times relative to the first span)."""
+    spans = []
+    for e in json.loads(path.read_text())["traceEvents"]:
+        if e.get("ph") != "X":
+            continue
+        a = e["args"]
+        start = round(e["ts"] * 1000)
+        spans.append(
+            [e["pid"], a["stage"], a["kind"], a["microbatch"], a["step"], start, start + round(e["dur"] * 1000)]
+        )
+    return spans
+
+
+def run_ds(spec: dict[str, Any]) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ds_lightning
+
+    class BenchModule(pl.LightningModule):
+        def __init__(self, seed: int) -> None:
+            super().__init__()
+            self.net = make_net(seed)
+
+        def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.mse_loss(output, target)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return self.pipeline_loss(self.net(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    class StepTimer(Callback):
+        def __init__(self, warmup: int) -> None:
+            self.warmup = warmup
+            self.times: list[float] = []
+            self._seen = 0
+            self._start = 0.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if self._seen == self.warmup:
+                METER.reset_peak()
+            self._start = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            elapsed = time.perf_counter() - self._start
+            if self._seen >= self.warmup:
+                self.times.append(elapsed)
+            self._seen += 1
+
+    torch.set_num_threads(1)
+    p = spec["procs"]
+    x, y = make_data(spec["seed"])
+    traces = Path(spec["records"]) / "ds_traces"
+    for cfg in spec["configs"]:
+        m = cfg["m"]
+        trace_path = traces / f"{cfg['schedule']}_m{m}.json"
+        timer = StepTimer(spec["warmup"])
+        strategy = ds_lightning.PipelineStrategy(
+            schedule=cfg["schedule"],
+            n_microbatches=m,
+            trace_path=str(trace_path),
+            trace_steps=spec["trace_steps"],
+            timeout=float(spec["dist_timeout"]),
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=p,
+            strategy=strategy,
+            max_steps=spec["warmup"] + spec["steps"],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            limit_val_batches=0,
+            num_sanity_val_steps=0,
+            default_root_dir=spec["records"],
+            callbacks=[timer],
+        )
+        loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False, drop_last=True)
+        trainer.fit(BenchModule(spec["seed"]), train_dataloaders=loader)
+        rank = trainer.global_rank
+        peak = METER.peak
+        unit = unit_bytes(spec["seed"], rank, p, m)
+        spans = _spans_from_chrome(trace_path) if rank == 0 and trace_path.exists() else []
+        record(spec, rank, cfg, timer.times, peak_bytes={str(rank): peak}, unit_bytes={str(rank): unit}, spans=spans)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    args = parser.parse_args()
+    spec = json.loads(Path(args.spec).read_text())
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    {"single": run_single, "hand": run_hand, "ds": run_ds}[spec["impl"]](spec)
+
+
+if __name__ == "__main__":
+    main()
