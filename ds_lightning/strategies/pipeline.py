@@ -84,6 +84,9 @@ class _Pipeline:
         self.schedule = schedule
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
+        # The output's shape and dtype, learnt on the first step; like the activations torch infers once, they are
+        # fixed for a given input shape.
+        self.output_meta: tuple[list[int], torch.dtype] | None = None
 
 
 class _DropPartialBatches:
@@ -501,26 +504,32 @@ class PipelineStrategy(DDPStrategy):
             r for r in range(self.layout.pipeline_size) if last in self.layout.stage_indices(r, self._spec.style)
         )
 
-    def _share_output(self, output: torch.Tensor | None, has_last: bool) -> torch.Tensor:
+    def _share_output(self, output: torch.Tensor | None, pipeline: _Pipeline) -> torch.Tensor:
         """Broadcast the last stage's output to every stage of the pipeline, so each can run the user's step."""
-        owner = self._last_stage_owner()
-        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.root_device)
-        if has_last:
+        source = dist.get_global_rank(self._pp_group, self._last_stage_owner())
+        if pipeline.output_meta is None:
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.root_device)
+            if pipeline.has_last:
+                if not isinstance(output, torch.Tensor) or output.dim() > _HEADER - 2 or output.dtype not in _DTYPES:
+                    raise TypeError(
+                        "ds_pipeline needs the last layer to return one tensor (of at most 8 dims, a standard dtype), "
+                        f"got {type(output).__name__}."
+                    )
+                header[0], header[1] = output.dim(), _DTYPES.index(output.dtype)
+                header[2 : 2 + output.dim()] = torch.tensor(output.shape)
+            dist.broadcast(header, src=source, group=self._pp_group)
+            pipeline.output_meta = (header[2 : 2 + int(header[0])].tolist(), _DTYPES[int(header[1])])
+        shape, dtype = pipeline.output_meta
+        if pipeline.has_last:
             assert output is not None
-            if not isinstance(output, torch.Tensor) or output.dim() > _HEADER - 2 or output.dtype not in _DTYPES:
-                raise TypeError(
-                    "ds_pipeline needs the last layer to return one tensor (of at most 8 dims, a standard dtype), got "
-                    f"{type(output).__name__}."
+            if list(output.shape) != shape or output.dtype != dtype:
+                raise RuntimeError(
+                    f"The pipeline's output changed from {shape} {dtype} to {list(output.shape)} {output.dtype} for "
+                    "the same input shape; ds_pipeline needs a fixed output shape per input shape."
                 )
-            header[0], header[1] = output.dim(), _DTYPES.index(output.dtype)
-            header[2 : 2 + output.dim()] = torch.tensor(output.shape)
-        source = dist.get_global_rank(self._pp_group, owner)
-        dist.broadcast(header, src=source, group=self._pp_group)
-        if not has_last:
-            shape = header[2 : 2 + int(header[0])].tolist()
-            output = torch.empty(shape, dtype=_DTYPES[int(header[1])], device=self.root_device)
-        assert output is not None
-        output = output.detach().contiguous()
+            output = output.detach().contiguous()
+        else:
+            output = torch.empty(shape, dtype=dtype, device=self.root_device)
         dist.broadcast(output, src=source, group=self._pp_group)
         return output
 
@@ -531,7 +540,7 @@ class PipelineStrategy(DDPStrategy):
             kwargs["target"] = target
         run = pipeline.schedule.eval if target is None else pipeline.schedule.step
         output = run(*args, **kwargs)
-        return self._share_output(output, pipeline.has_last)
+        return self._share_output(output, pipeline)
 
     def _evaluate(self, x: torch.Tensor) -> torch.Tensor:
         """Forward-only pipeline, collective over the pipeline's ranks; pads the rows to a multiple of micro-batches."""
