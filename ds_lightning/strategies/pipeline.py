@@ -236,6 +236,7 @@ class PipelineStrategy(DDPStrategy):
         self._mesh: DeviceMesh | None = None
         self._pp_group: dist.ProcessGroup | None = None
         self._dp_group: dist.ProcessGroup | None = None
+        self._out_group: dist.ProcessGroup | None = None
         self._recorder: SpanRecorder | None = None
         self.balance_used: list[int] | None = None
         # Kept after teardown: trainer.save_checkpoint() after fit() still consolidates the stages' optimizers.
@@ -305,8 +306,12 @@ class PipelineStrategy(DDPStrategy):
         # Sub-groups are made here, with the run's timeout; every rank creates every group in the same order.
         pp_groups = [dist.new_group(row.tolist(), timeout=self._timeout) for row in grid]
         dp_groups = [dist.new_group(col.tolist(), timeout=self._timeout) for col in grid.t()]
+        # The output broadcast has groups of its own, so the other stages can post it before the schedule runs
+        # without queueing it ahead of the schedule's transfers.
+        out_groups = [dist.new_group(row.tolist(), timeout=self._timeout) for row in grid]
         replica, pipeline_rank = layout.coordinates(self.global_rank)
         self._pp_group, self._dp_group = pp_groups[replica], dp_groups[pipeline_rank]
+        self._out_group = out_groups[replica]
         self._mesh = DeviceMesh.from_group(
             [self._dp_group, self._pp_group], self.root_device.type, mesh=grid, mesh_dim_names=("dp", "pp")
         )
@@ -504,43 +509,61 @@ class PipelineStrategy(DDPStrategy):
             r for r in range(self.layout.pipeline_size) if last in self.layout.stage_indices(r, self._spec.style)
         )
 
-    def _share_output(self, output: torch.Tensor | None, pipeline: _Pipeline) -> torch.Tensor:
-        """Broadcast the last stage's output to every stage of the pipeline, so each can run the user's step."""
-        source = dist.get_global_rank(self._pp_group, self._last_stage_owner())
-        if pipeline.output_meta is None:
-            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.root_device)
-            if pipeline.has_last:
-                if not isinstance(output, torch.Tensor) or output.dim() > _HEADER - 2 or output.dtype not in _DTYPES:
-                    raise TypeError(
-                        "ds_pipeline needs the last layer to return one tensor (of at most 8 dims, a standard dtype), "
-                        f"got {type(output).__name__}."
-                    )
+    def _output_source(self) -> int:
+        return dist.get_global_rank(self._pp_group, self._last_stage_owner())
+
+    def _learn_output_meta(self, output: torch.Tensor | None, pipeline: _Pipeline) -> None:
+        """On a pipeline's first run, tell every stage the output's shape and dtype (fixed per input shape after)."""
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.root_device)
+        valid = isinstance(output, torch.Tensor) and output.dim() <= _HEADER - 2 and output.dtype in _DTYPES
+        if pipeline.has_last:
+            if valid:
+                assert isinstance(output, torch.Tensor)
                 header[0], header[1] = output.dim(), _DTYPES.index(output.dtype)
                 header[2 : 2 + output.dim()] = torch.tensor(output.shape)
-            dist.broadcast(header, src=source, group=self._pp_group)
-            pipeline.output_meta = (header[2 : 2 + int(header[0])].tolist(), _DTYPES[int(header[1])])
-        shape, dtype = pipeline.output_meta
+            else:
+                header[0] = -1  # every stage raises, instead of the others waiting for data that never comes
+        dist.broadcast(header, src=self._output_source(), group=self._out_group)
+        if int(header[0]) < 0:
+            raise TypeError(
+                "ds_pipeline needs the last layer to return one tensor (of at most 8 dims and a standard dtype); "
+                f"the last stage returned {type(output).__name__ if pipeline.has_last else 'something else'}."
+            )
+        pipeline.output_meta = (header[2 : 2 + int(header[0])].tolist(), _DTYPES[int(header[1])])
+
+    def _run(self, pipeline: _Pipeline, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        """Run the schedule and return the last stage's output on every stage of the pipeline."""
+        args = (x,) if pipeline.has_first else ()
+        kwargs: dict[str, Any] = {}
+        if target is not None and pipeline.has_last:
+            kwargs["target"] = target
+        received, pending = None, None
+        if pipeline.output_meta is not None and not pipeline.has_last:
+            # Post the receive now: the broadcast then overlaps with this stage's remaining work in the schedule.
+            shape, dtype = pipeline.output_meta
+            received = torch.empty(shape, dtype=dtype, device=self.root_device)
+            pending = dist.broadcast(received, src=self._output_source(), group=self._out_group, async_op=True)
+        run = pipeline.schedule.eval if target is None else pipeline.schedule.step
+        output = run(*args, **kwargs)
+        if pipeline.output_meta is None:
+            self._learn_output_meta(output, pipeline)
+            shape, dtype = pipeline.output_meta  # type: ignore[misc]
+            received = None if pipeline.has_last else torch.empty(shape, dtype=dtype, device=self.root_device)
+            if received is not None:
+                pending = dist.broadcast(received, src=self._output_source(), group=self._out_group, async_op=True)
         if pipeline.has_last:
-            assert output is not None
+            shape, dtype = pipeline.output_meta
             if list(output.shape) != shape or output.dtype != dtype:
                 raise RuntimeError(
                     f"The pipeline's output changed from {shape} {dtype} to {list(output.shape)} {output.dtype} for "
                     "the same input shape; ds_pipeline needs a fixed output shape per input shape."
                 )
             output = output.detach().contiguous()
-        else:
-            output = torch.empty(shape, dtype=dtype, device=self.root_device)
-        dist.broadcast(output, src=source, group=self._pp_group)
-        return output
-
-    def _run(self, pipeline: _Pipeline, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
-        args = (x,) if pipeline.has_first else ()
-        kwargs: dict[str, Any] = {}
-        if target is not None and pipeline.has_last:
-            kwargs["target"] = target
-        run = pipeline.schedule.eval if target is None else pipeline.schedule.step
-        output = run(*args, **kwargs)
-        return self._share_output(output, pipeline)
+            dist.broadcast(output, src=self._output_source(), group=self._out_group)
+            return output
+        assert pending is not None and received is not None
+        pending.wait()
+        return received
 
     def _evaluate(self, x: torch.Tensor) -> torch.Tensor:
         """Forward-only pipeline, collective over the pipeline's ranks; pads the rows to a multiple of micro-batches."""

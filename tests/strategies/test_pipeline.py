@@ -412,6 +412,20 @@ class _ExtraParams(PipeMLP):
         self.head = nn.Linear(4, 4)
 
 
+class _Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, x
+
+
+class _TupleOutput(PipeMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net.append(_Pair())
+
+    def pipeline_loss(self, output, target):
+        return nn.functional.cross_entropy(output[0], target)
+
+
 def _one_process_fit(model: pl.LightningModule, strategy: ds_lightning.PipelineStrategy, batch_size: int = 32) -> None:
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -443,6 +457,7 @@ def _one_process_fit(model: pl.LightningModule, strategy: ds_lightning.PipelineS
         (_NoLoss, {}, 32, TypeError, "pipeline_loss"),
         (_NotSequential, {}, 32, TypeError, "found a ModuleList"),
         (_ExtraParams, {}, 32, ValueError, r"\['head.weight', 'head.bias'\] are outside it"),
+        (_TupleOutput, {}, 32, TypeError, "the last stage returned tuple"),
     ],
 )
 def test_contract_errors_name_the_problem(model, kwargs, batch_size, error, message):
