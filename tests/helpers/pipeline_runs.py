@@ -45,12 +45,20 @@ def make_data(n: int = 128) -> TensorDataset:
 class PipeMLP(pl.LightningModule):
     """Follows the ds_pipeline contract: ``self.net`` and ``pipeline_loss``."""
 
-    def __init__(self, depth: int = 8, lr: float = 0.1, momentum: float = 0.9, heavy: int | None = None) -> None:
+    def __init__(
+        self, depth: int = 8, lr: float = 0.1, momentum: float = 0.9, heavy: int | None = None, example: bool = False
+    ) -> None:
         super().__init__()
         self.net = make_net(depth, heavy)
+        if example:
+            # Lightning's ModelSummary runs this through the model on every rank at fit start.
+            self.example_input_array = torch.zeros(8, FEATURES)
         self.lr, self.momentum = lr, momentum
         self.losses: list[float] = []
         self.val_losses: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
 
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
@@ -120,18 +128,16 @@ def do_run(run: dict[str, Any]) -> None:
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     data = SequentialData(run.get("batch_size", 32), run.get("samples", 128))
     devices = run.get("devices", 1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=_strategy(run),
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        default_root_dir=run["out"] + ".root",
-        use_distributed_sampler=False,
+    options = {
+        "logger": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "enable_checkpointing": False,
+        "default_root_dir": run["out"] + ".root",
+        "use_distributed_sampler": False,
         **run.get("trainer", {}),
-    )
+    }
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(run), **options)
     action = run.get("action", "fit")
     result: dict[str, Any] = {}
     if action == "fit":

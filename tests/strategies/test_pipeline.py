@@ -115,6 +115,12 @@ def two_stage_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ),
         _fit(root / "checkpointing.pt", {"schedule": "1F1B", "activation_checkpointing": True}),
         _fit(
+            root / "summary.pt",
+            {"schedule": "GPipe", "n_microbatches": 4},
+            model={"example": True},
+            trainer={"enable_model_summary": True},
+        ),
+        _fit(
             root / "validation.pt",
             {"schedule": "1F1B", "n_microbatches": 4},
             steps=4,
@@ -234,6 +240,12 @@ def test_gradient_clipping_uses_the_global_norm_over_all_stages(two_stage_runs):
     unclipped, _, _ = reference_training(result["initial"], STEPS)
     final = {k.removeprefix("net."): v for k, v in result["final"].items()}
     assert not torch.allclose(final["0.0.weight"], unclipped.state_dict()["0.0.weight"], atol=1e-4)
+
+
+@pytest.mark.multiprocess
+def test_model_summary_with_an_example_input_runs_a_forward_pipeline(two_stage_runs):
+    # ModelSummary calls the model on example_input_array on every rank; that is a collective forward pipeline.
+    assert_matches_reference(load(two_stage_runs / "summary.pt"), STEPS)
 
 
 @pytest.mark.multiprocess
