@@ -1,0 +1,1 @@
+"""Parameter-server building blocks: sharding, staleness clock, compression; tensors only on the wire."""
