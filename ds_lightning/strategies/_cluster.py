@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+from typing import Literal
 
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import LightningEnvironment
@@ -10,7 +11,29 @@ from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
 from ds_lightning.environments.tf_config import TFConfigEnvironment, TFConfigError
 
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 _EXIT_HOOK_REGISTERED = False
+
+
+def check_launch_options(strategy: str, timeout: object, start_method: object, process_group_backend: object) -> None:
+    """Validate the launch options every multi-process strategy takes, naming the bad value and the fix.
+
+    Raises:
+        ValueError: for a non-positive timeout, an unknown start method or an unknown backend.
+
+    """
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout={timeout!r} must be a number of seconds > 0, e.g. {strategy}(timeout=600).")
+    if start_method not in ("popen", "spawn", "fork", "forkserver"):
+        raise ValueError(
+            f"start_method={start_method!r} is not supported; choose 'popen', 'spawn', 'fork' or 'forkserver'."
+        )
+    if process_group_backend is not None and process_group_backend not in BACKENDS:
+        raise ValueError(
+            f"process_group_backend={process_group_backend!r} is unknown; use one of {list(BACKENDS)} or None"
+            " to pick NCCL on CUDA and gloo otherwise."
+        )
 
 
 def adopt_tf_config(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import re
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,12 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
-from ds_lightning.strategies._cluster import adopt_tf_config, destroy_process_group_at_exit
+from ds_lightning.strategies._cluster import (
+    StartMethod,
+    adopt_tf_config,
+    check_launch_options,
+    destroy_process_group_at_exit,
+)
 from ds_lightning.strategies._even_batches import even_batches
 from ds_lightning.strategies._registration import register_start_methods
 
@@ -29,8 +34,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MirroredStrategy"]
 
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 _CHECKPOINT_KEY = "ds_mirrored"
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|pair closure|connection closed|connection reset", re.IGNORECASE)
 
@@ -100,16 +103,7 @@ class MirroredStrategy(DDPStrategy):
                 f"gradient_compression={gradient_compression!r} is not supported; choose one of {list(COMPRESSIONS)}."
             )
         _positive("bucket_cap_mb", bucket_cap_mb, "25")
-        _positive("timeout", timeout, "600")
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(
-                f"start_method={start_method!r} is not supported; choose 'popen', 'spawn', 'fork' or 'forkserver'."
-            )
-        if process_group_backend is not None and process_group_backend not in _BACKENDS:
-            raise ValueError(
-                f"process_group_backend={process_group_backend!r} is unknown; use one of {list(_BACKENDS)} or None"
-                " to pick NCCL on CUDA and gloo otherwise."
-            )
+        check_launch_options("MirroredStrategy", timeout, start_method, process_group_backend)
         flags = (
             ("static_graph", static_graph),
             ("find_unused_parameters", find_unused_parameters),

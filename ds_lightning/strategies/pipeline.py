@@ -36,7 +36,12 @@ from ds_lightning.pipelining.schedules import (
 )
 from ds_lightning.pipelining.trace import SpanRecorder, render_timeline_png, write_chrome_trace
 from ds_lightning.strategies import _pipe_state
-from ds_lightning.strategies._cluster import adopt_tf_config, destroy_process_group_at_exit
+from ds_lightning.strategies._cluster import (
+    StartMethod,
+    adopt_tf_config,
+    check_launch_options,
+    destroy_process_group_at_exit,
+)
 from ds_lightning.strategies._pipe_module import PipelinedSequential, StageModule, TracedStage
 from ds_lightning.strategies._registration import register_start_methods
 
@@ -44,8 +49,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PipelineStrategy"]
 
-StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-_BACKENDS = ("gloo", "nccl", "mpi", "ucc")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
 _HEADER = 10  # ndim, dtype, up to 8 dims
 
@@ -53,6 +56,24 @@ _HEADER = 10  # ndim, dtype, up to 8 dims
 def _check_int(name: str, value: object, minimum: int, example: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}, e.g. PipelineStrategy({name}={example}).")
+
+
+def check_every_rank_trains(seq: nn.Sequential, ranges: list[range], layout: PipelineLayout, style: str) -> None:
+    """Refuse a split that leaves a process with no trainable parameter: its optimizer would be empty.
+
+    Raises:
+        ValueError: naming the process, its layers and the fix.
+
+    """
+    for rank in range(layout.pipeline_size):
+        layers = [i for s in layout.stage_indices(rank, style) for i in ranges[s]]
+        if not any(p.requires_grad for i in layers for p in seq[i].parameters()):
+            kinds = ", ".join(type(seq[i]).__name__ for i in layers)
+            raise ValueError(
+                f"Pipeline process {rank} would hold only layers {layers} ({kinds}), which have no trainable "
+                "parameters, so its optimizer would be empty. Give it a layer with parameters through `balance` "
+                "(e.g. keep each activation with the layer before it), or use fewer stages."
+            )
 
 
 class _GlobalNormPrecision(Precision):
@@ -80,7 +101,6 @@ class _Pipeline:
     """The stages and schedule for one (mode, input shape); built lazily, identically on every rank of a pipeline."""
 
     def __init__(self, stages: list[TracedStage], schedule: Any) -> None:
-        self.stages = stages
         self.schedule = schedule
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
@@ -90,11 +110,10 @@ class _Pipeline:
 
 
 class _DropPartialBatches:
-    """Iterate a loader but skip batches whose size ``n_microbatches`` does not divide (only the last one can be)."""
+    """Iterate a loader's first ``length`` batches: drops a last partial batch that micro-batching cannot split."""
 
-    def __init__(self, loader: Any, n_microbatches: int, length: int) -> None:
+    def __init__(self, loader: Any, length: int) -> None:
         self.loader = loader
-        self._n_microbatches = n_microbatches
         self._length = length
 
     def __len__(self) -> int:
@@ -202,18 +221,7 @@ class PipelineStrategy(DDPStrategy):
                 f"stages_per_rank={stages_per_rank}; leave stages_per_rank unset."
             )
         _check_int("trace_steps", trace_steps, 1, "3")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-            raise ValueError(
-                f"timeout={timeout!r} must be a number of seconds > 0, e.g. PipelineStrategy(timeout=600)."
-            )
-        if start_method not in ("popen", "spawn", "fork", "forkserver"):
-            raise ValueError(
-                f"start_method={start_method!r} is not supported; choose 'popen', 'spawn', 'fork' or 'forkserver'."
-            )
-        if process_group_backend is not None and process_group_backend not in _BACKENDS:
-            raise ValueError(
-                f"process_group_backend={process_group_backend!r} is unknown; use one of {list(_BACKENDS)} or None."
-            )
+        check_launch_options("PipelineStrategy", timeout, start_method, process_group_backend)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -397,6 +405,9 @@ class PipelineStrategy(DDPStrategy):
         balance = self._resolve_balance(trainer, module, seq)
         self.balance_used = balance
         ranges = stage_layer_ranges(balance)
+        if trainer.state.fn == TrainerFn.FITTING:
+            # Decided from the layout alone, so every rank raises together instead of some waiting in a collective.
+            check_every_rank_trains(seq, ranges, self.layout, self._spec.style)
         self._stage_ids = self.layout.stage_indices(self.pipeline_rank, self._spec.style)
         owned = {i: seq[i] for s in self._stage_ids for i in ranges[s]}
         self._param_names = [name for name, _ in module.named_parameters()]
@@ -689,7 +700,7 @@ class PipelineStrategy(DDPStrategy):
             f"ds_pipeline: the last training batch of each epoch has {last} samples, which n_microbatches={m} does "
             f"not divide; it is dropped. Set drop_last=True, or a dataset size per replica that is a multiple of {m}."
         )
-        return _DropPartialBatches(dataloader, m, length - 1)
+        return _DropPartialBatches(dataloader, length - 1)
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
 

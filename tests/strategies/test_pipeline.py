@@ -399,6 +399,18 @@ def test_layout_errors_come_before_any_process_starts(devices, kwargs, message):
         pl.Trainer(accelerator="cpu", devices=devices, strategy=ds_lightning.PipelineStrategy(**kwargs))
 
 
+def test_a_process_without_trainable_layers_is_refused_for_every_rank():
+    from ds_lightning.strategies.pipeline import check_every_rank_trains
+
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    layout = PipelineLayout(world_size=4)
+    with pytest.raises(ValueError, match=r"process 1 would hold only layers \[1\] \(ReLU\)"):
+        check_every_rank_trains(seq, [range(0, 1), range(1, 2), range(2, 4), range(4, 5)], layout, "loop")
+    check_every_rank_trains(seq, [range(0, 2), range(2, 5)], PipelineLayout(2), "loop")
+    # Two stages per process: a parameter-free stage is fine when the process's other stage trains.
+    check_every_rank_trains(seq, [range(0, 1), range(1, 2), range(2, 4), range(4, 5)], PipelineLayout(2, 1, 2), "loop")
+
+
 def test_layout_arithmetic():
     layout = PipelineLayout(world_size=8, data_parallel_size=2)
     assert (layout.pipeline_size, layout.stages) == (4, 4)
