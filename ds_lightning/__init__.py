@@ -4,13 +4,20 @@
 """
 
 from ds_lightning.environments import TFConfigEnvironment, TFConfigError
-from ds_lightning.strategies import MirroredStrategy, ModelParallelStrategy, PipelineStrategy, available_strategies
+from ds_lightning.strategies import (
+    MirroredStrategy,
+    ModelParallelStrategy,
+    ParameterServerStrategy,
+    PipelineStrategy,
+    available_strategies,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "MirroredStrategy",
     "ModelParallelStrategy",
+    "ParameterServerStrategy",
     "PipelineStrategy",
     "TFConfigEnvironment",
     "TFConfigError",

@@ -4,11 +4,18 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 from ds_lightning.strategies.mirrored import MirroredStrategy
 from ds_lightning.strategies.model_parallel import ModelParallelStrategy
+from ds_lightning.strategies.parameter_server import ParameterServerStrategy
 from ds_lightning.strategies.pipeline import PipelineStrategy
 
-__all__ = ["MirroredStrategy", "ModelParallelStrategy", "PipelineStrategy", "available_strategies"]
+__all__ = [
+    "MirroredStrategy",
+    "ModelParallelStrategy",
+    "ParameterServerStrategy",
+    "PipelineStrategy",
+    "available_strategies",
+]
 
-_STRATEGIES = (MirroredStrategy, PipelineStrategy, ModelParallelStrategy)
+_STRATEGIES = (MirroredStrategy, PipelineStrategy, ModelParallelStrategy, ParameterServerStrategy)
 
 for _cls in _STRATEGIES:
     _cls.register_strategies(StrategyRegistry)

@@ -1,0 +1,155 @@
+"""A worker's side of the parameter-server protocol (see :mod:`ds_lightning.ps.server`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ds_lightning.ps.push_compression import PushCompressor
+from ds_lightning.ps.server import REPLY_TAG, REQUEST_TAG
+from ds_lightning.ps.sharding import ShardPlan
+from ds_lightning.ps.wire import recv_message, send_message
+
+
+class ServerLostError(RuntimeError):
+    """A parameter server stopped answering: it died, or it hung past the timeout."""
+
+
+@dataclass
+class PullResult:
+    """What the servers said with the parameters."""
+
+    version: int = 0
+    updates: int = 0
+    stop: bool = False
+    lost: list[int] = field(default_factory=list)
+    staleness_mean: float = 0.0
+    staleness_max: float = 0.0
+    stats: dict[str, float] = field(default_factory=dict)
+    lrs: list[float] = field(default_factory=list)
+
+
+class ServerClient:
+    """Talks to every server for one worker.
+
+    Args:
+        pg: the gloo group of workers and servers.
+        worker: this worker's rank (and index).
+        num_workers: the number of workers; server ``s`` has rank ``num_workers + s``.
+        plan: the shard plan.
+        compression: push compression, ``"none"``, ``"fp16"``, ``"bf16"`` or ``"topk"``.
+        topk_ratio: the fraction top-k sends.
+        addresses: how to name each server in errors (host of its task).
+
+    """
+
+    def __init__(
+        self,
+        pg: Any,
+        worker: int,
+        num_workers: int,
+        plan: ShardPlan,
+        compression: str = "none",
+        topk_ratio: float = 0.01,
+        addresses: list[str] | None = None,
+    ) -> None:
+        self.pg = pg
+        self.worker = worker
+        self.num_workers = num_workers
+        self.plan = plan
+        self.compression = compression
+        self.compressors = [PushCompressor(compression, topk_ratio) for _ in range(plan.num_servers)]
+        self.addresses = addresses or ["127.0.0.1"] * plan.num_servers
+        self.bytes_pushed = 0
+        self.bytes_pulled = 0
+
+    def _rank(self, server: int) -> int:
+        return self.num_workers + server
+
+    def _lost(self, server: int, doing: str, error: BaseException) -> ServerLostError:
+        first = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+        return ServerLostError(
+            f"Lost parameter server {server} (ps task {server} at {self.addresses[server]}, process-group rank"
+            f" {self._rank(server)}) while worker {self.worker} was {doing}: {first}. The server process died or"
+            " hung past the strategy's timeout; resume from the last checkpoint with ckpt_path=..."
+        )
+
+    def _send(self, server: int, header: dict[str, Any], tensors: list[Tensor], doing: str) -> int:
+        try:
+            return send_message(self.pg, self._rank(server), REQUEST_TAG, header, tensors)
+        except Exception as error:
+            raise self._lost(server, doing, error) from error
+
+    def _recv(self, server: int, doing: str) -> tuple[dict[str, Any], list[Tensor], int]:
+        try:
+            return recv_message(self.pg, self._rank(server), REPLY_TAG)
+        except Exception as error:
+            raise self._lost(server, doing, error) from error
+
+    def _ask_all(self, header: dict[str, Any], doing: str) -> list[tuple[dict[str, Any], list[Tensor], int]]:
+        for server in range(self.plan.num_servers):
+            self._send(server, header, [], doing)
+        return [self._recv(server, doing) for server in range(self.plan.num_servers)]
+
+    # --- requests -------------------------------------------------------------------------------------------------
+
+    def init(
+        self, params: Mapping[str, Tensor], shard_states: list[tuple[list[Any], list[Tensor]]], extra: dict[str, Any]
+    ) -> None:
+        """Hand every server its starting parameters and optimizer state (chief only)."""
+        for server in range(self.plan.num_servers):
+            entries, state = shard_states[server]
+            header = {"op": "init", "state_entries": entries, "n_state": len(state), **extra}
+            flat = self.plan.flatten(params, server).float().cpu()
+            self._send(server, header, [flat, *state], "starting the servers")
+
+    def pull(self, params: Mapping[str, Tensor], op: str = "pull", step: int = 0, epoch: int = 0) -> PullResult:
+        """Fetch every shard into ``params`` (``op`` ``"pull"`` waits for the staleness rule, ``"peek"`` does not)."""
+        replies = self._ask_all({"op": op, "step": step, "epoch": epoch}, f"pulling parameters ({op})")
+        result = PullResult()
+        for server, (header, tensors, nbytes) in enumerate(replies):
+            self.bytes_pulled += nbytes
+            with torch.no_grad():
+                self.plan.unflatten_into(tensors[0], server, params)
+            if server == 0:
+                result = PullResult(
+                    version=int(header["version"]),
+                    updates=int(header["updates"]),
+                    stop=bool(header["stop"]),
+                    lost=list(header["lost"]),
+                    staleness_mean=float(header["staleness_mean"]),
+                    staleness_max=float(header["staleness_max"]),
+                    stats=dict(header["stats"]),
+                    lrs=list(header["lrs"]),
+                )
+        return result
+
+    def push(self, grads: Mapping[str, Tensor], basis: int, step: int, epoch: int) -> None:
+        """Send every server its part of the gradient, computed on parameters of version ``basis``."""
+        header = {"op": "push", "basis": basis, "step": step, "epoch": epoch, "compression": self.compression}
+        for server in range(self.plan.num_servers):
+            flat = self.plan.flatten(grads, server).float().cpu()
+            payload = self.compressors[server].encode(flat)
+            self.bytes_pushed += self._send(server, header, payload, "pushing gradients")
+
+    def status(self) -> list[int]:
+        """Workers the servers have lost (asks server 0)."""
+        self._send(0, {"op": "status"}, [], "asking for the live workers")
+        header, _, _ = self._recv(0, "asking for the live workers")
+        return list(header["lost"])
+
+    def state(self) -> list[tuple[dict[str, Any], list[Tensor]]]:
+        """Every server's shard, optimizer state, scheduler state and progress (chief only)."""
+        return [(header, tensors) for header, tensors, _ in self._ask_all({"op": "state"}, "saving a checkpoint")]
+
+    def done(self, params: Mapping[str, Tensor], step: int, epoch: int) -> PullResult:
+        """Tell every server this worker finished, and fetch the final parameters into ``params``."""
+        return self.pull(params, op="done", step=step, epoch=epoch)
+
+    def compression_state(self) -> list[dict[str, Tensor]]:
+        """The top-k residual per server."""
+        return [c.state_dict() for c in self.compressors]

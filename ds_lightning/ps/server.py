@@ -1,0 +1,324 @@
+"""The parameter server's loop: apply pushed gradients to its shard, answer pulls under the staleness rule.
+
+One thread per worker blocks in gloo ``recv`` from that worker and queues each whole message; the main thread
+handles them one at a time, so the shard, clocks and optimizer need no locks. A per-worker receive (rather than
+``recv_anysource``) is what makes a dead worker visible: gloo fails a receive from a peer whose connection closed,
+while an any-source receive keeps waiting. Replies are sent from the main thread.
+
+Requests (``op`` in the header), all from worker ``w``:
+
+* ``init`` (chief only, first): the parameters, optimizer and scheduler state and progress to start from.
+* ``pull``: answer with this shard once the staleness rule lets ``w`` start its next step.
+* ``peek``: answer at once (evaluation reads the latest parameters).
+* ``push``: a gradient computed on parameters of version ``basis``; nothing is sent back.
+* ``state``: everything a checkpoint needs.
+* ``status``: which workers are alive.
+* ``done``: ``w`` finished; answer with the final shard (under ``max_staleness=0`` once its last push is applied).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from ds_lightning.ps.optimizer_shard import ShardOptimizer
+from ds_lightning.ps.push_compression import PushCompressor
+from ds_lightning.ps.staleness import StalenessClock, StalenessStats, SyncAccumulator, staleness_lr_factor
+from ds_lightning.ps.wire import recv_message, send_message
+
+log = logging.getLogger(__name__)
+
+REQUEST_TAG = 11
+REPLY_TAG = 12
+
+
+@dataclass
+class SchedulerSlot:
+    """One LR scheduler the server steps, with Lightning's ``interval`` and ``frequency``."""
+
+    scheduler: Any
+    interval: str
+    frequency: int
+
+
+@dataclass
+class ServeReport:
+    """What a server did, for its log line and the tests."""
+
+    updates: int = 0
+    finished: list[int] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class ParameterServer:
+    """Serve one shard until every worker has finished or been lost.
+
+    Args:
+        pg: the gloo group of workers (ranks ``0..num_workers-1``) and servers (after them).
+        server: this server's index; its rank is ``num_workers + server``.
+        num_workers: the number of workers.
+        shard: the shard and its optimizer.
+        schedulers: the user's LR schedulers, bound to ``shard.template``.
+        max_staleness: ``None``, ``0`` or ``k``.
+        staleness_lr: ``"none"`` or ``"inverse"``.
+        max_updates: stop the workers after this many applied updates (``None``: never).
+        timeout: seconds without any message before the server gives up.
+
+    """
+
+    def __init__(
+        self,
+        pg: Any,
+        server: int,
+        num_workers: int,
+        shard: ShardOptimizer,
+        schedulers: list[SchedulerSlot],
+        max_staleness: int | None,
+        staleness_lr: str,
+        max_updates: int | None,
+        timeout: float,
+    ) -> None:
+        self.pg = pg
+        self.server = server
+        self.num_workers = num_workers
+        self.shard = shard
+        self.schedulers = schedulers
+        self.max_staleness = max_staleness
+        self.staleness_lr = staleness_lr
+        self.max_updates = max_updates
+        self.timeout = timeout
+        self.clock = StalenessClock(num_workers, max_staleness)
+        self.sync = SyncAccumulator(num_workers) if max_staleness == 0 else None
+        self.version = 0
+        self.updates = 0
+        self.epochs_done = 0
+        self.stats = StalenessStats()
+        self.window = [StalenessStats() for _ in range(num_workers)]
+        self.worker_progress: list[list[int]] = [[0, 0] for _ in range(num_workers)]  # [global_step, epoch]
+        self.initialized = False
+        self._base_clock = 0  # version at init: clocks count this run's pushes, versions the checkpoint's too
+        self.deferred: list[tuple[int, dict[str, Any]]] = []
+        self.early: list[tuple[int, dict[str, Any], list[Tensor]]] = []
+        self.inbox: queue.Queue[tuple[int, dict[str, Any], list[Tensor]]] = queue.Queue()
+        self.report = ServeReport()
+
+    # --- receiving ------------------------------------------------------------------------------------------------
+
+    def _receive_from(self, worker: int) -> None:
+        while True:
+            try:
+                header, tensors, _ = recv_message(self.pg, worker, REQUEST_TAG)
+            except Exception as error:
+                self.inbox.put((worker, {"op": "lost", "error": str(error).splitlines()[0][:300]}, []))
+                return
+            self.inbox.put((worker, header, tensors))
+            if header.get("op") == "done":
+                return
+
+    def serve(self) -> ServeReport:
+        """Run until every worker finished or was lost.
+
+        Raises:
+            TimeoutError: when no worker sends anything for ``timeout`` seconds while some are still running.
+
+        """
+        start = time.monotonic()
+        for worker in range(self.num_workers):
+            threading.Thread(target=self._receive_from, args=(worker,), daemon=True, name=f"ps-recv-{worker}").start()
+        while len(self.report.finished) + len(self.report.lost) < self.num_workers:
+            try:
+                worker, header, tensors = self.inbox.get(timeout=self.timeout)
+            except queue.Empty:
+                running = [w for w in range(self.num_workers) if w not in self.report.finished + self.report.lost]
+                raise TimeoutError(
+                    f"parameter server {self.server} heard nothing from workers {running} for {self.timeout:.0f} s;"
+                    " they are hung or unreachable. Raise the strategy's `timeout` if a step can take that long."
+                ) from None
+            if not self.initialized and header.get("op") not in ("init", "lost"):
+                self.early.append((worker, header, tensors))
+                continue
+            self._handle(worker, header, tensors)
+            if header.get("op") == "init":
+                for item in self.early:
+                    self._handle(*item)
+                self.early.clear()
+            self._answer_deferred()
+        self.report.updates = self.updates
+        self.report.seconds = time.monotonic() - start
+        return self.report
+
+    # --- handling -------------------------------------------------------------------------------------------------
+
+    def _handle(self, worker: int, header: dict[str, Any], tensors: list[Tensor]) -> None:
+        op = header.get("op")
+        if op == "init":
+            self._init(header, tensors)
+        elif op == "push":
+            self._push(worker, header, tensors)
+        elif op in ("pull", "done"):
+            if op == "done":
+                self.worker_progress[worker] = [int(header.get("step", 0)), int(header.get("epoch", 0))]
+                self._retire(worker, finished=True)
+            self.deferred.append((worker, header))
+        elif op == "peek":
+            self._reply(worker, header)
+        elif op == "state":
+            self._send_state(worker)
+        elif op == "status":
+            self._reply(worker, header, with_params=False)
+        elif op == "lost":
+            log.warning("parameter server %d lost worker %d: %s", self.server, worker, header.get("error"))
+            self._retire(worker, finished=False)
+        else:
+            raise ValueError(f"parameter server {self.server} got unknown op {op!r} from worker {worker}")
+
+    def _init(self, header: dict[str, Any], tensors: list[Tensor]) -> None:
+        self.shard.flat.copy_(tensors[0])
+        n_state = int(header["n_state"])
+        self.shard.import_state(header["state_entries"], tensors[1 : 1 + n_state])
+        for group, hyper in zip(self.shard.template.param_groups, header.get("param_groups", []), strict=False):
+            group.update({k: v for k, v in hyper.items() if k != "params"})
+        for slot, state in zip(self.schedulers, header.get("schedulers", []), strict=False):
+            slot.scheduler.load_state_dict(state)
+        self.shard.sync_hyperparameters()
+        self.version = self.updates = int(header.get("updates", 0))
+        self.epochs_done = int(header.get("epoch", 0))
+        if self.sync is not None:
+            self.sync = SyncAccumulator(self.num_workers, version=self.version)
+            for worker in self.report.lost + self.report.finished:
+                self.sync.mark_dead(worker)
+        self._base_clock = self.version
+        self.initialized = True
+
+    def _push(self, worker: int, header: dict[str, Any], tensors: list[Tensor]) -> None:
+        grad = PushCompressor(header["compression"]).decode(tensors, self.shard.flat.numel())
+        basis = int(header["basis"])
+        self.worker_progress[worker] = [int(header.get("step", 0)), int(header.get("epoch", 0))]
+        if worker == 0:
+            self._advance_epochs(int(header.get("epoch", 0)))
+        if worker in self.report.lost:
+            return
+        self.clock.tick(worker)
+        if self.sync is not None:
+            self.sync.push(worker, grad, basis)
+            self.stats.record(0)
+            self.window[worker].record(0)
+            self._apply_sync_if_ready()
+            return
+        staleness = max(0, self.version - basis)
+        self.stats.record(staleness)
+        self.window[worker].record(staleness)
+        self.shard.apply(grad, staleness_lr_factor(staleness, self.staleness_lr))  # type: ignore[arg-type]
+        self._applied()
+
+    def _apply_sync_if_ready(self) -> None:
+        if self.sync is not None and self.sync.ready():
+            self.shard.apply(self.sync.mean())
+            self.sync.advance()
+            self._applied()
+
+    def _applied(self) -> None:
+        self.version += 1
+        self.updates += 1
+        for slot in self.schedulers:
+            if slot.interval == "step" and self.updates % slot.frequency == 0:
+                slot.scheduler.step()
+
+    def _advance_epochs(self, epoch: int) -> None:
+        while self.epochs_done < epoch:
+            self.epochs_done += 1
+            for slot in self.schedulers:
+                if slot.interval == "epoch" and self.epochs_done % slot.frequency == 0:
+                    slot.scheduler.step()
+
+    def _retire(self, worker: int, finished: bool) -> None:
+        if worker in self.report.finished or worker in self.report.lost:
+            return
+        (self.report.finished if finished else self.report.lost).append(worker)
+        if finished:
+            self.clock.mark_finished(worker)
+        else:
+            self.clock.mark_dead(worker)
+            self.deferred = [(w, h) for w, h in self.deferred if w != worker]
+        if self.sync is not None:
+            self.sync.mark_dead(worker)
+            self._apply_sync_if_ready()
+
+    # --- answering ------------------------------------------------------------------------------------------------
+
+    def _may_answer(self, worker: int, header: dict[str, Any]) -> bool:
+        if self.max_staleness is None:
+            return True
+        if self.max_staleness == 0:
+            return self.version >= self._base_clock + self.clock.clocks[worker]
+        if header.get("op") == "done":
+            return True
+        return self.clock.may_start(worker)
+
+    def _answer_deferred(self) -> None:
+        waiting, self.deferred = self.deferred, []
+        for worker, header in waiting:
+            if self._may_answer(worker, header):
+                self._reply(worker, header)
+            else:
+                self.deferred.append((worker, header))
+
+    def _reply(self, worker: int, header: dict[str, Any], with_params: bool = True) -> None:
+        window = self.window[worker]
+        answer = {
+            "op": header.get("op"),
+            "version": self.version,
+            "updates": self.updates,
+            "lost": list(self.report.lost),
+            "stop": self.max_updates is not None and self.updates >= self.max_updates,
+            "staleness_mean": window.mean,
+            "staleness_max": window.max,
+            "stats": self.stats.as_dict("ps/staleness"),
+            "lrs": self.shard.learning_rates(),
+        }
+        self.window[worker] = StalenessStats()
+        tensors = [self.shard.flat] if with_params else []
+        try:
+            send_message(self.pg, worker, REPLY_TAG, answer, tensors)
+        except Exception as error:
+            self._retire(worker, finished=False)
+            log.warning("parameter server %d could not answer worker %d: %s", self.server, worker, error)
+
+    def _send_state(self, worker: int) -> None:
+        entries, state = self.shard.export_state()
+        answer = {
+            "op": "state",
+            "version": self.version,
+            "updates": self.updates,
+            "epoch": self.epochs_done,
+            "clocks": list(self.clock.clocks),
+            "worker_progress": self.worker_progress,
+            "lost": list(self.report.lost),
+            "state_entries": entries,
+            "n_state": len(state),
+            "param_groups": [
+                _jsonable({k: v for k, v in g.items() if k != "params"}) for g in self.shard.template.param_groups
+            ],
+            "schedulers": [_jsonable(slot.scheduler.state_dict()) for slot in self.schedulers],
+        }
+        send_message(self.pg, worker, REPLY_TAG, answer, [self.shard.flat, *state])
+
+
+def _jsonable(value: Any) -> Any:
+    """Scheduler state as JSON: tensors become lists, functions (LambdaLR's) become None."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, Tensor):
+        return value.tolist()
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    return None
