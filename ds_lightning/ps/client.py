@@ -31,6 +31,7 @@ class PullResult:
     staleness_max: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
     lrs: list[float] = field(default_factory=list)
+    clocks: list[int] = field(default_factory=list)
 
 
 class ServerClient:
@@ -125,6 +126,7 @@ class ServerClient:
                     staleness_max=float(header["staleness_max"]),
                     stats=dict(header["stats"]),
                     lrs=list(header["lrs"]),
+                    clocks=list(header["clocks"]),
                 )
         return result
 

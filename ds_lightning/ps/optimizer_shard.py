@@ -111,6 +111,7 @@ class ShardOptimizer:
             self.params.append(param)
             groups[group_of[id(named_parameters[piece.name])]].append(param)
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in template.param_groups]
+        template._opt_called = True  # type: ignore[attr-defined]  # it never steps; the schedulers need not warn
         self.optimizer = type(template)(
             [{"params": params, **h} for params, h in zip(groups, hyper, strict=True)], **template.defaults
         )

@@ -282,6 +282,7 @@ class ParameterServer:
             "staleness_max": window.max,
             "stats": self.stats.as_dict("ps/staleness"),
             "lrs": self.shard.learning_rates(),
+            "clocks": list(self.clock.clocks),
         }
         self.window[worker] = StalenessStats()
         tensors = [self.shard.flat] if with_params else []
