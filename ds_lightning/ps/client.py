@@ -27,6 +27,7 @@ class PullResult:
     updates: int = 0
     stop: bool = False
     lost: list[int] = field(default_factory=list)
+    gone: list[int] = field(default_factory=list)
     staleness_mean: float = 0.0
     staleness_max: float = 0.0
     stats: dict[str, float] = field(default_factory=dict)
@@ -72,7 +73,8 @@ class ServerClient:
         return self.num_workers + server
 
     def _lost(self, server: int, doing: str, error: BaseException) -> ServerLostError:
-        first = str(error).splitlines()[0][:300] if str(error) else type(error).__name__
+        text = str(error).split(". This is typically")[0]
+        first = text.splitlines()[0][:300] if text else type(error).__name__
         return ServerLostError(
             f"Lost parameter server {server} (ps task {server} at {self.addresses[server]}, process-group rank"
             f" {self._rank(server)}) while worker {self.worker} was {doing}: {first}. The server process died or"
@@ -122,6 +124,7 @@ class ServerClient:
                     updates=int(header["updates"]),
                     stop=bool(header["stop"]),
                     lost=list(header["lost"]),
+                    gone=list(header["gone"]),
                     staleness_mean=float(header["staleness_mean"]),
                     staleness_max=float(header["staleness_max"]),
                     stats=dict(header["stats"]),
@@ -139,10 +142,10 @@ class ServerClient:
             self.bytes_pushed += self._send(server, header, payload, "pushing gradients")
 
     def status(self) -> list[int]:
-        """Workers the servers have lost (asks server 0)."""
+        """Workers that no longer take part: lost or finished (asks server 0)."""
         self._send(0, {"op": "status"}, [], "asking for the live workers")
         header, _, _ = self._recv(0, "asking for the live workers")
-        return list(header["lost"])
+        return list(header["gone"])
 
     def state(self) -> list[tuple[dict[str, Any], list[Tensor]]]:
         """Every server's shard, optimizer state, scheduler state and progress (chief only)."""

@@ -112,9 +112,9 @@ class ShardOptimizer:
             groups[group_of[id(named_parameters[piece.name])]].append(param)
         hyper = [{k: v for k, v in group.items() if k != "params"} for group in template.param_groups]
         template._opt_called = True  # type: ignore[attr-defined]  # it never steps; the schedulers need not warn
-        self.optimizer = type(template)(
-            [{"params": params, **h} for params, h in zip(groups, hyper, strict=True)], **template.defaults
-        )
+        # Every group carries all hyperparameters; the defaults are not passed because some classes (AdamW) store
+        # keys there that their constructor does not take.
+        self.optimizer = type(template)([{"params": params, **h} for params, h in zip(groups, hyper, strict=True)])
 
     def sync_hyperparameters(self) -> None:
         """Copy the template's current hyperparameters (what the LR schedulers set) into the shard optimizer."""

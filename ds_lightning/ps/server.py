@@ -116,7 +116,8 @@ class ParameterServer:
             try:
                 header, tensors, _ = recv_message(self.pg, worker, REQUEST_TAG)
             except Exception as error:
-                self.inbox.put((worker, {"op": "lost", "error": str(error).splitlines()[0][:300]}, []))
+                first = str(error).split(". This is typically")[0].splitlines()[0][:300]
+                self.inbox.put((worker, {"op": "lost", "error": first}, []))
                 return
             self.inbox.put((worker, header, tensors))
             if header.get("op") == "done":
@@ -277,6 +278,7 @@ class ParameterServer:
             "version": self.version,
             "updates": self.updates,
             "lost": list(self.report.lost),
+            "gone": sorted(self.report.lost + self.report.finished),
             "stop": self.max_updates is not None and self.updates >= self.max_updates,
             "staleness_mean": window.mean,
             "staleness_max": window.max,

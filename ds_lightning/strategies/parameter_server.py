@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 from collections.abc import Callable
 from datetime import timedelta
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -20,6 +23,7 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
 from torch.optim import Optimizer
@@ -156,13 +160,15 @@ class ParameterServerStrategy(DDPStrategy):
         self._accumulated_steps = 0
         self._last_pull: PullResult | None = None
         self._logged_bytes = (0, 0)
-        self._lost: set[int] = set()
+        self._gone: set[int] = set()
         self._groups: dict[frozenset[int], Any] = {}
         self._finished = False
         self._eval_backup: dict[str, Tensor] | None = None
         self._resume: dict[str, Any] | None = None
         self._final_state: dict[str, Any] | None = None
         self._server_schedulers: list[Any] = []
+        self._budget_spent = False
+        self._training = False
 
     @classmethod
     @override
@@ -344,11 +350,27 @@ class ParameterServerStrategy(DDPStrategy):
         self._server_schedulers, self.lr_scheduler_configs = self.lr_scheduler_configs, []
         self._plan = self._make_plan()
         self._params = self._trainable()
+        if (
+            self.max_updates is not None
+            and trainer.limit_val_batches != 0
+            and trainer.fit_loop.epoch_loop.val_loop._data_source.is_defined()
+        ):
+            raise ValueError(
+                f"ds_parameter_server(max_updates={self.max_updates}) stops workers at different epochs, so validation"
+                " during fit would pair up different epochs across workers. Set Trainer(limit_val_batches=0) and"
+                " run trainer.validate(...) after fit, or bound the run with max_epochs/max_steps instead."
+            )
+        epoch_loop = trainer.fit_loop.epoch_loop
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            # Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training step, a per-step collective that
+            # would hold every worker to the slowest one. Each worker handles its own SIGTERM instead.
+            epoch_loop._broadcast_sigterm_tensor = partial(_raise_on_local_sigterm, trainer)
         addresses = [f"{h}:{p}" for h, p in self._tf.cluster["ps"]] if self._tf else None
         self._client = ServerClient(
             self._pg, self.global_rank, self.num_workers, self._plan, self.compression, self.topk_ratio, addresses
         )
-        self._pull_due, self._finished, self._lost, self._final_state = True, False, set(), None
+        self._pull_due, self._finished, self._gone, self._final_state = True, False, set(), None
+        self._budget_spent = False
         if self.is_global_zero:
             sizes = [f"{b / 2**20:.2f} MiB" for b in self._plan.bytes_per_server()]
             rank_zero_info(
@@ -378,14 +400,18 @@ class ParameterServerStrategy(DDPStrategy):
             self.max_updates,
             self.timeout_seconds,
         )
+        print(
+            f"[ds_lightning] parameter server {self._server_index} serving {plan.server_numel(self._server_index)}"
+            f" parameters to {self.num_workers} worker(s)",
+            file=sys.stderr,
+            flush=True,
+        )
         report = server.serve()
-        log.info(
-            "parameter server %d done: %d updates in %.1f s; workers finished %s, lost %s",
-            self._server_index,
-            report.updates,
-            report.seconds,
-            report.finished,
-            report.lost,
+        print(
+            f"[ds_lightning] parameter server {self._server_index} done: {report.updates} updates in"
+            f" {report.seconds:.1f} s; workers finished {report.finished}, lost {report.lost}",
+            file=sys.stderr,
+            flush=True,
         )
         if not report.finished:
             raise RuntimeError(
@@ -405,7 +431,7 @@ class ParameterServerStrategy(DDPStrategy):
         trainer = self._trainer()
         result = self._client.pull(self._params, step=trainer.global_step, epoch=trainer.current_epoch)
         self._basis, self._pull_due, self._last_pull = result.version, False, result
-        self._note_lost(result.lost)
+        self._note_gone(result.gone)
         for group, lr in zip(self.optimizers[0].param_groups, result.lrs, strict=False):
             group["lr"] = lr  # what LearningRateMonitor shows is the servers' learning rate
         return result
@@ -414,11 +440,11 @@ class ParameterServerStrategy(DDPStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._client is None:
             return super().training_step(*args, **kwargs)
-        if self._pull_due:
-            result = self._pull()
-            if result.stop:
-                self._trainer().should_stop = True
-                return None  # the global update budget is spent: skip this step's backward and push
+        if self._pull_due and self._pull().stop:
+            # The global update budget is spent. Lightning forbids skipping a step under DDP-style strategies, so
+            # this one runs, pushes nothing, and is the last.
+            self._trainer().should_stop = True
+            self._budget_spent = True
         output = super().training_step(*args, **kwargs)
         self._log_step()
         return output
@@ -453,7 +479,7 @@ class ParameterServerStrategy(DDPStrategy):
 
     def _push(self, loss: Any) -> None:
         assert self._client is not None
-        if loss is None:
+        if loss is None or self._budget_spent:
             return
         grads = {n: p.grad if p.grad is not None else torch.zeros_like(p) for n, p in self._params.items()}
         if self.push_every > 1:
@@ -476,6 +502,7 @@ class ParameterServerStrategy(DDPStrategy):
     @override
     def on_train_start(self) -> None:
         super().on_train_start()
+        self._training = self._client is not None
         if self._client is None or not self.is_global_zero:
             return
         assert self._plan is not None
@@ -504,6 +531,7 @@ class ParameterServerStrategy(DDPStrategy):
     @override
     def on_train_end(self) -> None:
         super().on_train_end()
+        self._training = False
         if self._client is None or self._finished:
             return
         if self.is_global_zero:
@@ -532,6 +560,11 @@ class ParameterServerStrategy(DDPStrategy):
     def teardown(self) -> None:
         super().teardown()
         self._client = None
+        if self._pg is not None:
+            # Closing our connections tells the servers this worker is gone, also when fit() raised before "done".
+            with contextlib.suppress(Exception):
+                self._pg.abort()
+            self._pg = None
         launcher = self._launcher
         if isinstance(launcher, WorkerLauncher) and launcher.servers and self._fitting:
             launcher.reap_servers(self.timeout_seconds)
@@ -596,14 +629,14 @@ class ParameterServerStrategy(DDPStrategy):
 
     # --- collectives among the live workers -----------------------------------------------------------------------
 
-    def _note_lost(self, lost: list[int]) -> None:
-        new = set(lost) - self._lost
+    def _note_gone(self, gone: list[int]) -> None:
+        new = set(gone) - self._gone
         if new:
-            log.warning("ds_parameter_server: worker(s) %s were lost; the others carry on", sorted(new))
-            self._lost |= new
+            log.info("ds_parameter_server: worker(s) %s left (finished or lost); collectives go on without them", new)
+            self._gone |= new
 
     def _survivors(self) -> tuple[int, ...]:
-        return tuple(w for w in range(self.num_workers) if w not in self._lost)
+        return tuple(w for w in range(self.num_workers) if w not in self._gone)
 
     def _collective(self, run: Callable[[Any], Any], alone: Callable[[], Any]) -> Any:
         """Run ``run(group)`` over the live workers, learning of lost ones from the servers when it fails."""
@@ -627,18 +660,41 @@ class ParameterServerStrategy(DDPStrategy):
             except RuntimeError:
                 if attempt or self._client is None or self._finished:
                     raise
-                before = set(self._lost)
-                self._note_lost(self._client.status())
-                if self._lost == before:
+                before = set(self._gone)
+                self._note_gone(self._client.status())
+                if self._gone == before:
                     raise
         raise AssertionError("unreachable")
 
+    @property
+    def _independent(self) -> bool:
+        # Under an update budget workers stop at different epochs, so epoch-level collectives cannot pair up.
+        return self.max_updates is not None and self._training
+
+    def _refuse_sync(self, what: str) -> None:
+        raise RuntimeError(
+            f"ds_parameter_server(max_updates={self.max_updates}) cannot {what}: with an update budget the workers"
+            " stop at different epochs, so their collectives would not pair up. Log without sync_dist=True, or drop"
+            " max_updates and bound the run with max_epochs/max_steps."
+        )
+
     @override
     def barrier(self, name: str | None = None) -> None:
+        if self._independent:
+            return  # only the chief writes checkpoints; nobody needs to wait for it
         self._collective(lambda group: dist.barrier(group=group), lambda: None)
 
     @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if self._independent:
+            return decision
+        return super().reduce_boolean_decision(decision, all=all)
+
+    @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if self._independent:
+            return obj
+
         def run(group: Any) -> Any:
             box = [obj]
             dist.broadcast_object_list(box, src, group=group)
@@ -652,16 +708,25 @@ class ParameterServerStrategy(DDPStrategy):
             return tensor
         if group is not None:
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        if self._independent:
+            self._refuse_sync("reduce across workers (self.log(..., sync_dist=True))")
         return self._collective(lambda g: _sync_ddp_if_available(tensor, g, reduce_op=reduce_op), lambda: tensor)
 
     @override
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         if group is not None:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        if self._independent:
+            self._refuse_sync("all_gather across workers")
         return self._collective(
             lambda g: super(ParameterServerStrategy, self).all_gather(tensor, group=g, sync_grads=sync_grads),
             lambda: tensor.unsqueeze(0),
         )
+
+
+def _raise_on_local_sigterm(trainer: Any) -> None:
+    if getattr(trainer, "received_sigterm", False):
+        raise SIGTERMException()
 
 
 class _PushingOptimizer:

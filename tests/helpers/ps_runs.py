@@ -22,7 +22,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-import ds_lightning  # noqa: F401 - registers ds_parameter_server
+import ds_lightning
 
 FEATURES, CLASSES = 16, 4
 

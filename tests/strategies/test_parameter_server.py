@@ -1,0 +1,386 @@
+"""ds_parameter_server: options, early errors, and real multi-process runs on gloo (workers + server processes)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from torch import nn
+
+import ds_lightning
+from ds_lightning.environments import TFConfigError
+from ds_lightning.strategies._ps_launchers import ServerLauncher, WorkerLauncher
+from tests.helpers.runner import CONFIGS, REPO, ds_train, free_port, quiet_trainer_args, worker_env
+
+PS = "ds_parameter_server"
+
+
+# --- options and early errors (no processes) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"num_servers": 0}, "num_servers=0"),
+        ({"max_staleness": -1}, "max_staleness=-1"),
+        ({"staleness_lr": "sqrt"}, "staleness_lr='sqrt'"),
+        ({"push_every": 0}, "push_every=0"),
+        ({"compression": "zip"}, "compression='zip'"),
+        ({"topk_ratio": 0.0}, "topk_ratio=0.0"),
+        ({"max_updates": 0}, "max_updates=0"),
+        ({"timeout": 0}, "timeout=0"),
+    ],
+)
+def test_bad_options_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ds_lightning.ParameterServerStrategy(**kwargs)
+
+
+def _tf_config(monkeypatch: pytest.MonkeyPatch, cluster: dict[str, Any], task: tuple[str, int]) -> None:
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": cluster, "task": {"type": task[0], "index": task[1]}}))
+
+
+CLUSTER = {"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001"], "ps": ["127.0.0.1:2002"]}
+
+
+def test_tf_config_without_ps_tasks_is_refused_when_the_trainer_is_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tf_config(monkeypatch, {"chief": ["127.0.0.1:2000"], "worker": ["127.0.0.1:2001"]}, ("chief", 0))
+    with pytest.raises(TFConfigError, match=r"no `cluster.ps`"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=PS)
+
+
+def test_tf_config_and_num_servers_must_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tf_config(monkeypatch, CLUSTER, ("chief", 0))
+    with pytest.raises(TFConfigError, match=r"num_servers=2 but TF_CONFIG lists 1 ps"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=ds_lightning.ParameterServerStrategy(num_servers=2))
+
+
+def test_tf_config_roles(monkeypatch: pytest.MonkeyPatch) -> None:
+    _tf_config(monkeypatch, CLUSTER, ("ps", 0))
+    server = pl.Trainer(accelerator="cpu", devices=1, strategy=PS, logger=False)
+    assert server.strategy.is_server and isinstance(server.strategy.launcher, ServerLauncher)
+    assert server.global_rank == 2 and server.world_size == 2  # ranks after the 2 workers; never rank zero
+    _tf_config(monkeypatch, CLUSTER, ("worker", 0))
+    worker = pl.Trainer(accelerator="cpu", devices=1, strategy=PS, logger=False)
+    assert not worker.strategy.is_server and isinstance(worker.strategy.launcher, WorkerLauncher)
+    assert worker.global_rank == 1 and worker.num_nodes == 2 and worker.strategy.num_servers == 1
+    _tf_config(monkeypatch, {**CLUSTER, "evaluator": ["127.0.0.1:2003"]}, ("evaluator", 0))
+    with pytest.raises(TFConfigError, match="evaluator"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=PS)
+
+
+def test_several_nodes_need_tf_config() -> None:
+    with pytest.raises(ValueError, match="needs TF_CONFIG"):
+        pl.Trainer(accelerator="cpu", devices=1, num_nodes=2, strategy=PS)
+
+
+class _Tiny(pl.LightningModule):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.layer = nn.Linear(4, 2)
+        if kind == "frozen":
+            self.layer.requires_grad_(False)
+        if kind == "manual":
+            self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.layer(batch[0]).sum()
+
+    def configure_optimizers(self) -> Any:
+        sgd = torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.kind == "two":
+            return [sgd, torch.optim.Adam(self.parameters())]
+        if self.kind == "lbfgs":
+            return torch.optim.LBFGS(self.parameters())
+        if self.kind == "plateau":
+            return {
+                "optimizer": sgd,
+                "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.ReduceLROnPlateau(sgd), "monitor": "loss"},
+            }
+        if self.kind == "custom":
+            return _Custom(self.parameters())
+        return sgd
+
+
+class _Custom(torch.optim.SGD):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("kind", "match"),
+    [
+        ("frozen", "no trainable parameters"),
+        ("manual", "manual optimization"),
+        ("two", r"returned 2 \(\['SGD', 'Adam'\]\)"),
+        ("lbfgs", "LBFGS needs a closure"),
+        ("plateau", "ReduceLROnPlateau"),
+        ("custom", "cannot rebuild _Custom"),
+    ],
+)
+def test_models_the_servers_cannot_train_fail_before_any_process_starts(kind: str, match: str) -> None:
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=PS, logger=False, enable_progress_bar=False)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    with pytest.raises(ValueError, match=match):
+        trainer.fit(_Tiny(kind), data)
+    launcher = trainer.strategy.launcher
+    assert isinstance(launcher, WorkerLauncher)
+    assert launcher.procs == [] and launcher.servers == []  # refused before starting workers or servers
+
+
+# --- real runs ----------------------------------------------------------------------------------------------------
+
+
+def _run(tmp_path: Path, name: str, spec: dict[str, Any], timeout: float = 150, check: bool = True) -> dict[str, Any]:
+    """Run tests/helpers/ps_runs.py with ``spec``; return rank 0's results (and the exit code and output)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    out = tmp_path / name
+    spec = {"strategy": PS, "out": str(out), **spec}
+    spec_path = tmp_path / f"{name}.json"
+    spec_path.write_text(json.dumps(spec))
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.ps_runs", str(spec_path)],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    result: dict[str, Any] = {"returncode": proc.returncode, "output": proc.stdout, "seconds": time.monotonic() - start}
+    if check:
+        assert proc.returncode == 0, proc.stdout[-6000:]
+    for rank in range(spec.get("devices", 2)):
+        path = Path(f"{out}.rank{rank}.json")
+        if path.exists():
+            result[f"rank{rank}"] = json.loads(path.read_text())
+    if Path(f"{out}.pt").exists():
+        result["params"] = torch.load(f"{out}.pt")
+    return result
+
+
+def _assert_no_process_left(tmp_path: Path) -> None:
+    found = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert found == [], f"processes left behind: {found}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("servers", "model"),
+    [
+        ({"num_servers": 1}, {"scheduler": "step"}),
+        ({"num_servers": 2, "min_shard_bytes": 64}, {"scheduler": "epoch", "optimizer": "adam", "lr": 0.01}),
+    ],
+    ids=["1server-sgd-momentum-step-lr", "2servers-split-adam-epoch-lr"],
+)
+def test_bulk_synchronous_equals_one_process_on_the_global_batch(
+    tmp_path: Path, servers: dict[str, Any], model: dict[str, Any]
+) -> None:
+    common = {"model": model, "max_epochs": 2, "n": 128, "batch_size": 8}
+    ps = _run(tmp_path, "ps", {**common, "strategy_kwargs": {"max_staleness": 0, **servers}})
+    single = _run(tmp_path, "single", {**common, "strategy": "single"})
+    assert ps["rank0"]["global_step"] == ps["rank1"]["global_step"] == single["rank0"]["global_step"] == 16
+    for name, value in single["params"].items():
+        torch.testing.assert_close(ps["params"][name], value, rtol=0, atol=1e-5)
+    # self.log(sync_dist=True) averaged over the two workers only, not over the server
+    assert ps["rank0"]["metrics"]["rank_mean"] == pytest.approx(0.5)
+    _assert_no_process_left(tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("servers", [1, 2])
+def test_asynchronous_training_reaches_90_percent_on_digits(tmp_path: Path, servers: int) -> None:
+    report = tmp_path / "report.json"
+    ds_train(
+        [
+            "fit",
+            f"--config={CONFIGS / 'parameter_server.yaml'}",
+            f"--trainer.strategy.init_args.num_servers={servers}",
+            "--trainer.strategy.init_args.min_shard_bytes=4096",
+            *quiet_trainer_args(tmp_path),
+            "--trainer.callbacks=ds_lightning.demos.TrainingReport",
+            f"--trainer.callbacks.output_json={report}",
+        ],
+        timeout=240,
+    )
+    assert json.loads(report.read_text())["val_acc"] >= 0.90
+
+
+@pytest.mark.multiprocess
+def test_stale_synchronous_bound_holds_under_a_slow_worker(tmp_path: Path) -> None:
+    slow = {"slow": {"rank": 1, "delay": 0.05}, "max_epochs": 2, "limit_val_batches": 1}
+    bounded = _run(tmp_path, "ssp", {**slow, "strategy_kwargs": {"max_staleness": 2}})
+    gaps = [pull["clocks"][0] - min(pull["clocks"]) for pull in bounded["rank0"]["pulls"]]
+    assert max(gaps) == 2, gaps  # the fast worker ran ahead up to the bound, never past it
+    free = _run(tmp_path, "async", {**slow, "strategy_kwargs": {"max_staleness": None}})
+    free_gaps = [pull["clocks"][0] - min(pull["clocks"]) for pull in free["rank0"]["pulls"]]
+    assert max(free_gaps) > 2, free_gaps  # without the bound the same straggler falls further behind
+
+
+def _metrics(root: Path) -> list[dict[str, str]]:
+    files = sorted(root.rglob("metrics.csv"))
+    assert files, f"no metrics.csv under {root}"
+    return list(csv.DictReader(files[-1].open()))
+
+
+@pytest.mark.multiprocess
+def test_a_killed_worker_does_not_stop_the_others(tmp_path: Path) -> None:
+    spec = {"kill_worker": {"rank": 1, "step": 5}, "max_epochs": 3, "csv": True, "strategy_kwargs": {"timeout": 60}}
+    run = _run(tmp_path, "kill", spec)
+    assert "rank1" not in run  # it was SIGKILLed at step 5
+    assert run["rank0"]["global_step"] == 24  # the chief trained all 3 epochs of 8 steps
+    assert "lost worker 1" in run["output"]
+    rows = _metrics(tmp_path)
+    assert max(int(r["step"]) for r in rows if r.get("train_loss")) >= 20  # the loss was logged after the loss
+    last_val = [r for r in rows if r.get("rank_mean")][-1]
+    assert float(last_val["rank_mean"]) == 0.0  # sync_dist reduced over the surviving worker only
+    _assert_no_process_left(tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_a_killed_server_stops_every_worker_and_the_checkpoint_resumes(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    spec = {"max_epochs": 3, "ckpt_dir": str(ckpt), "strategy_kwargs": {"timeout": 60, "max_staleness": 0}}
+    run = _run(tmp_path, "killed", {**spec, "kill_server": {"epoch": 1, "step": 11}}, check=False)
+    assert run["returncode"] != 0
+    for rank in (0, 1):
+        assert (
+            f"Lost parameter server 0 (ps task 0 at 127.0.0.1, process-group rank 2) while worker {rank}"
+            in (run["output"])
+        )
+    assert run["seconds"] < 120  # stopped within the 60 s timeout (plus start-up), not hung
+    _assert_no_process_left(tmp_path)
+    last = ckpt / "epoch=0-step=8.ckpt"
+    assert sorted(p.name for p in ckpt.iterdir()) == [last.name]
+    resumed = _run(tmp_path, "resumed", {**spec, "ckpt_dir": None, "ckpt_path": str(last)})
+    assert resumed["rank0"]["global_step"] == 24
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_are_consolidated_resume_exactly_and_load_into_a_plain_trainer(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    common = {"model": {"scheduler": "step"}, "max_epochs": 3}
+    full = _run(tmp_path, "full", {**common, "ckpt_dir": str(ckpt), "strategy_kwargs": {"max_staleness": 0}})
+    first = ckpt / "epoch=0-step=8.ckpt"
+    saved = torch.load(first, weights_only=True)
+    names = [n for n, _ in _net_parameters()]
+    assert set(saved["state_dict"]) == set(full["params"])
+    state = saved["optimizer_states"][0]["state"]
+    assert sorted(state) == list(range(len(names)))
+    for index, (_, param) in enumerate(_net_parameters()):
+        assert state[index]["momentum_buffer"].shape == param.shape
+        assert state[index]["momentum_buffer"].abs().sum() > 0
+    assert saved["lr_schedulers"][0]["last_epoch"] == 8  # the servers stepped the StepLR once per update
+    assert saved["ds_parameter_server"]["num_servers"] == 1 and saved["ds_parameter_server"]["updates"] == 8
+    # Resuming with two servers gives the uninterrupted run's parameters: momentum and LR state came back.
+    resumed = _run(
+        tmp_path,
+        "resumed",
+        {
+            **common,
+            "ckpt_path": str(first),
+            "strategy_kwargs": {"max_staleness": 0, "num_servers": 2, "min_shard_bytes": 64},
+        },
+    )
+    for name, value in full["params"].items():
+        torch.testing.assert_close(resumed["params"][name], value, rtol=0, atol=1e-6)
+    # A plain single-process Trainer resumes from the same file, and on the global batch it is the same training.
+    plain = _run(tmp_path, "plain", {**common, "strategy": "single", "ckpt_path": str(first)})
+    assert plain["rank0"]["global_step"] == 24
+    for name, value in full["params"].items():
+        torch.testing.assert_close(plain["params"][name], value, rtol=0, atol=1e-5)
+
+
+def _net_parameters() -> list[tuple[str, torch.Tensor]]:
+    from tests.helpers.ps_runs import Net
+
+    return list(Net().named_parameters())
+
+
+@pytest.mark.multiprocess
+def test_a_late_worker_and_an_early_finisher_do_not_deadlock_the_others(tmp_path: Path) -> None:
+    spec = {
+        "late_worker": {"rank": 1, "seconds": 3},
+        "stop_worker": {"rank": 1, "step": 6},
+        "max_epochs": 3,
+        "strategy_kwargs": {"max_staleness": 1, "timeout": 60},
+    }
+    run = _run(tmp_path, "late", spec)
+    assert run["rank0"]["global_step"] == 24
+    assert run["rank1"]["global_step"] < 10  # it stopped early; the chief finished alone
+    assert max(p["clocks"][0] - min(p["clocks"]) for p in run["rank0"]["pulls"][:3]) <= 1  # waited for the late one
+
+
+@pytest.mark.multiprocess
+def test_update_budget_compression_and_traffic_logging(tmp_path: Path) -> None:
+    base = {"max_epochs": 50, "csv": True, "limit_val_batches": 0}
+    dense = _run(tmp_path / "dense", "run", {**base, "strategy_kwargs": {"max_updates": 20}})
+    half = _run(tmp_path / "half", "run", {**base, "strategy_kwargs": {"max_updates": 20, "compression": "fp16"}})
+    topk = _run(
+        tmp_path / "topk",
+        "run",
+        {**base, "strategy_kwargs": {"max_updates": 20, "compression": "topk", "topk_ratio": 0.02, "push_every": 2}},
+    )
+    for run in (dense, half, topk):
+        updates = max(run[f"rank{r}"]["pulls"][-1]["updates"] for r in (0, 1))
+        assert 20 <= updates <= 21  # the budget stopped both workers (a push in flight may land after it)
+        steps = run["rank0"]["global_step"] + run["rank1"]["global_step"]
+        per_push = 2 if run is topk else 1
+        assert steps <= per_push * updates + 2 * per_push  # each worker runs at most one window past the stop
+    pushed = {}
+    for name in ("dense", "half", "topk"):
+        rows = [r for r in _metrics(tmp_path / name) if r.get("ps/bytes_pushed")]
+        pushed[name] = max(float(r["ps/bytes_pushed"]) for r in rows)
+    params = sum(p.numel() for _, p in _net_parameters())
+    assert pushed["dense"] > 4 * params > pushed["half"] > 2 * params  # fp32 vs fp16 payload plus a JSON header
+    assert pushed["topk"] < pushed["half"] / 2
+
+
+@pytest.mark.multiprocess
+def test_a_tf_config_cluster_of_three_hand_started_tasks(tmp_path: Path) -> None:
+    ports = [free_port() for _ in range(3)]
+    cluster = {"chief": [f"127.0.0.1:{ports[0]}"], "worker": [f"127.0.0.1:{ports[1]}"], "ps": [f"127.0.0.1:{ports[2]}"]}
+    report = tmp_path / "report.json"
+    args = [
+        "fit",
+        f"--config={CONFIGS / 'parameter_server.yaml'}",
+        "--trainer.devices=1",
+        "--trainer.max_epochs=3",
+        *quiet_trainer_args(tmp_path),
+        "--trainer.callbacks=ds_lightning.demos.TrainingReport",
+        f"--trainer.callbacks.output_json={report}",
+    ]
+    procs = []
+    for job in ("ps", "worker", "chief"):
+        env = worker_env(TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": job, "index": 0}}))
+        for var in ("MASTER_ADDR", "MASTER_PORT"):
+            env.pop(var)
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-m", "ds_lightning.cli", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=180)[0])
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0], "\n\n".join(o[-3000:] for o in outputs)
+    assert json.loads(report.read_text())["val_acc"] >= 0.85
+    assert "parameter server 0 done" in outputs[0] and "workers finished [0, 1], lost []" in outputs[0]
