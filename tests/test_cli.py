@@ -159,6 +159,7 @@ def test_example_configs_parse(config):
     expected = {
         "mirrored.yaml": "strategy: ds_mirrored",
         "mirrored_powersgd.yaml": "class_path: ds_lightning.strategies.MirroredStrategy",
+        "parameter_server.yaml": "class_path: ds_lightning.strategies.ParameterServerStrategy",
         "pipeline.yaml": "class_path: ds_lightning.strategies.PipelineStrategy",
     }[config.name]
     assert expected in run.output

@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
@@ -19,7 +20,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -285,10 +286,13 @@ class ParameterServerStrategy(DDPStrategy):
             check_server_optimizer([], [], automatic_optimization=False)
         try:
             model.trainer = trainer
-            optimizers, schedulers = _init_optimizers_and_lr_schedulers(model)
-        except Exception:
+            returned = model.configure_optimizers()
+        except Exception:  # configure_optimizers may need the data; setup checks again then
             return
-        check_server_optimizer(optimizers, schedulers, automatic_optimization=True)
+        # Lightning's own parser, without its validation: several optimizers must get our message, not Lightning's.
+        optimizers, schedulers, monitor = _configure_optimizers(returned)
+        configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+        check_server_optimizer(optimizers, configs, automatic_optimization=True)
 
     # --- process groups -------------------------------------------------------------------------------------------
 
@@ -314,7 +318,36 @@ class ParameterServerStrategy(DDPStrategy):
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=self._own_host())]
         rank = self.num_workers + self._server_index if self.is_server else self.global_rank  # type: ignore[operator]
         prefix = dist.PrefixStore(f"ds_parameter_server/{_GENERATION[0]}/", store)
-        self._pg = dist.ProcessGroupGloo(prefix, rank, self.num_workers + self.num_servers, options)
+        size = self.num_workers + self.num_servers
+        launcher = self._launcher
+        servers = launcher.servers if isinstance(launcher, WorkerLauncher) else []
+        if not servers:
+            self._pg = dist.ProcessGroupGloo(prefix, rank, size, options)
+            return
+        # The chief watches the servers it started: one that dies during start-up must not leave the workers
+        # waiting for the whole timeout.
+        made: dict[str, Any] = {}
+
+        def connect() -> None:
+            try:
+                made["pg"] = dist.ProcessGroupGloo(prefix, rank, size, options)
+            except BaseException as error:
+                made["error"] = error
+
+        thread = threading.Thread(target=connect, daemon=True, name="ps-connect")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.2)
+            for index, proc in enumerate(servers):
+                if thread.is_alive() and proc.poll() is not None:
+                    raise RuntimeError(
+                        f"parameter server {index} (pid {proc.pid}) exited with code {proc.returncode} before it"
+                        " connected; its error is printed above. Servers run your script up to trainer.fit, so that"
+                        " part must work in a process whose trainer.global_rank is the number of workers or more."
+                    )
+        if "error" in made:
+            raise made["error"]
+        self._pg = made["pg"]
 
     @override
     def setup_environment(self) -> None:

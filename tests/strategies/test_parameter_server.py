@@ -266,6 +266,15 @@ def test_a_killed_server_stops_every_worker_and_the_checkpoint_resumes(tmp_path:
 
 
 @pytest.mark.multiprocess
+def test_a_server_that_fails_to_start_stops_the_run_at_once(tmp_path: Path) -> None:
+    # timeout=600: without the chief watching its servers, the workers would wait that long for the rendezvous.
+    run = _run(tmp_path, "crash", {"crash_server": True, "strategy_kwargs": {"timeout": 600}}, check=False)
+    assert run["returncode"] != 0
+    assert "parameter server 0 (pid" in run["output"] and "exited with code 1 before it connected" in run["output"]
+    _assert_no_process_left(tmp_path)
+
+
+@pytest.mark.multiprocess
 def test_checkpoints_are_consolidated_resume_exactly_and_load_into_a_plain_trainer(tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
     common = {"model": {"scheduler": "step"}, "max_epochs": 3}
