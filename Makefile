@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ds_lightning-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench bench-pipeline clean
+.PHONY: setup demo test lint bench bench-pipeline bench-ps clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,9 @@ bench: setup
 
 bench-pipeline: setup
 	$(PY) benchmarks/pipeline.py
+
+bench-ps: setup
+	$(PY) benchmarks/parameter_server.py
 
 clean:
 	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache

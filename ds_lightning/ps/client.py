@@ -12,7 +12,7 @@ from torch import Tensor
 from ds_lightning.ps.push_compression import PushCompressor
 from ds_lightning.ps.server import REPLY_TAG, REQUEST_TAG
 from ds_lightning.ps.sharding import ShardPlan
-from ds_lightning.ps.wire import recv_message, send_message
+from ds_lightning.ps.wire import Pending, post_message, recv_message, send_message
 
 
 class ServerLostError(RuntimeError):
@@ -67,6 +67,7 @@ class ServerClient:
         self.compressors = [PushCompressor(compression, topk_ratio) for _ in range(plan.num_servers)]
         self.addresses = addresses or ["127.0.0.1"] * plan.num_servers
         self.bytes_pushed = 0
+        self._pending = [Pending([], []) for _ in range(plan.num_servers)]
         self.bytes_pulled = 0
 
     def _rank(self, server: int) -> int:
@@ -81,9 +82,13 @@ class ServerClient:
             " hung past the strategy's timeout; resume from the last checkpoint with ckpt_path=..."
         )
 
-    def _send(self, server: int, header: dict[str, Any], tensors: list[Tensor], doing: str) -> int:
+    def _send(self, server: int, header: dict[str, Any], tensors: list[Tensor], doing: str, wait: bool = True) -> int:
         try:
-            return send_message(self.pg, self._rank(server), REQUEST_TAG, header, tensors)
+            self._pending[server].wait()
+            if wait:
+                return send_message(self.pg, self._rank(server), REQUEST_TAG, header, tensors)
+            nbytes, self._pending[server] = post_message(self.pg, self._rank(server), REQUEST_TAG, header, tensors)
+            return nbytes
         except Exception as error:
             raise self._lost(server, doing, error) from error
 
@@ -139,7 +144,8 @@ class ServerClient:
         for server in range(self.plan.num_servers):
             flat = self.plan.flatten(grads, server).float().cpu()
             payload = self.compressors[server].encode(flat)
-            self.bytes_pushed += self._send(server, header, payload, "pushing gradients")
+            # Not waited for: the push travels while this worker moves on; the next request waits for it.
+            self.bytes_pushed += self._send(server, header, payload, "pushing gradients", wait=False)
 
     def status(self) -> list[int]:
         """Workers that no longer take part: lost or finished (asks server 0)."""

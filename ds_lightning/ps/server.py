@@ -1,9 +1,9 @@
 """The parameter server's loop: apply pushed gradients to its shard, answer pulls under the staleness rule.
 
-One thread per worker blocks in gloo ``recv`` from that worker and queues each whole message; the main thread
-handles them one at a time, so the shard, clocks and optimizer need no locks. A per-worker receive (rather than
-``recv_anysource``) is what makes a dead worker visible: gloo fails a receive from a peer whose connection closed,
-while an any-source receive keeps waiting. Replies are sent from the main thread.
+One thread per worker blocks in gloo ``recv`` from that worker and handles each whole message under one lock, so the
+shard, clocks and optimizer see one message at a time; the main thread only waits for the end or a timeout. A
+per-worker receive (rather than ``recv_anysource``) is what makes a dead worker visible: gloo fails a receive from a
+peer whose connection closed, while an any-source receive keeps waiting.
 
 Requests (``op`` in the header), all from worker ``w``:
 
@@ -19,7 +19,6 @@ Requests (``op`` in the header), all from worker ``w``:
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -106,7 +105,9 @@ class ParameterServer:
         self._base_clock = 0  # version at init: clocks count this run's pushes, versions the checkpoint's too
         self.deferred: list[tuple[int, dict[str, Any]]] = []
         self.early: list[tuple[int, dict[str, Any], list[Tensor]]] = []
-        self.inbox: queue.Queue[tuple[int, dict[str, Any], list[Tensor]]] = queue.Queue()
+        self.changed = threading.Condition()
+        self.failure: BaseException | None = None
+        self.last_heard = time.monotonic()
         self.report = ServeReport()
 
     # --- receiving ------------------------------------------------------------------------------------------------
@@ -117,11 +118,31 @@ class ParameterServer:
                 header, tensors, _ = recv_message(self.pg, worker, REQUEST_TAG)
             except Exception as error:
                 first = str(error).split(". This is typically")[0].splitlines()[0][:300]
-                self.inbox.put((worker, {"op": "lost", "error": first}, []))
+                header, tensors = {"op": "lost", "error": first}, []
+            # Handled on this thread, under the lock: no hand-over to another thread on the hot path.
+            with self.changed:
+                try:
+                    self._dispatch(worker, header, tensors)
+                except BaseException as error:
+                    self.failure = error
+                self.last_heard = time.monotonic()
+                self.changed.notify_all()
+            if header.get("op") in ("done", "lost") or self.failure is not None:
                 return
-            self.inbox.put((worker, header, tensors))
-            if header.get("op") == "done":
-                return
+
+    def _dispatch(self, worker: int, header: dict[str, Any], tensors: list[Tensor]) -> None:
+        if not self.initialized and header.get("op") not in ("init", "lost"):
+            self.early.append((worker, header, tensors))
+            return
+        self._handle(worker, header, tensors)
+        if header.get("op") == "init":
+            for item in self.early:
+                self._handle(*item)
+            self.early.clear()
+        self._answer_deferred()
+
+    def _running(self) -> list[int]:
+        return [w for w in range(self.num_workers) if w not in self.report.finished + self.report.lost]
 
     def serve(self) -> ServeReport:
         """Run until every worker finished or was lost.
@@ -131,26 +152,21 @@ class ParameterServer:
 
         """
         start = time.monotonic()
+        self.last_heard = start
         for worker in range(self.num_workers):
             threading.Thread(target=self._receive_from, args=(worker,), daemon=True, name=f"ps-recv-{worker}").start()
-        while len(self.report.finished) + len(self.report.lost) < self.num_workers:
-            try:
-                worker, header, tensors = self.inbox.get(timeout=self.timeout)
-            except queue.Empty:
-                running = [w for w in range(self.num_workers) if w not in self.report.finished + self.report.lost]
-                raise TimeoutError(
-                    f"parameter server {self.server} heard nothing from workers {running} for {self.timeout:.0f} s;"
-                    " they are hung or unreachable. Raise the strategy's `timeout` if a step can take that long."
-                ) from None
-            if not self.initialized and header.get("op") not in ("init", "lost"):
-                self.early.append((worker, header, tensors))
-                continue
-            self._handle(worker, header, tensors)
-            if header.get("op") == "init":
-                for item in self.early:
-                    self._handle(*item)
-                self.early.clear()
-            self._answer_deferred()
+        with self.changed:
+            while self._running():
+                if self.failure is not None:
+                    raise self.failure
+                left = self.timeout - (time.monotonic() - self.last_heard)
+                if left <= 0:
+                    raise TimeoutError(
+                        f"parameter server {self.server} heard nothing from workers {self._running()} for"
+                        f" {self.timeout:.0f} s; they are hung or unreachable. Raise the strategy's `timeout` if a"
+                        " step can take that long."
+                    )
+                self.changed.wait(timeout=left)
         self.report.updates = self.updates
         self.report.seconds = time.monotonic() - start
         return self.report

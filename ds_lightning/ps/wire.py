@@ -29,7 +29,35 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def send_message(pg: Any, dst: int, tag: int, header: dict[str, Any], tensors: Sequence[Tensor] = ()) -> int:
-    """Send ``header`` and ``tensors`` to rank ``dst`` and wait until gloo has taken them.
+    """Send ``header`` and ``tensors`` to rank ``dst`` and wait until gloo has taken them (see :func:`post_message`).
+
+    Returns:
+        The number of bytes sent, header included.
+
+    """
+    nbytes, pending = post_message(pg, dst, tag, header, tensors)
+    pending.wait()
+    return nbytes
+
+
+class Pending:
+    """Transfers in flight, and the buffers they read from, which must stay alive until they complete."""
+
+    def __init__(self, works: list[Any], buffers: list[Tensor]) -> None:
+        self.works = works
+        self.buffers = buffers
+
+    def wait(self) -> None:
+        """Block until every transfer completed; raises what gloo raises (a dead peer, the timeout)."""
+        for work in self.works:
+            work.wait()
+        self.works, self.buffers = [], []
+
+
+def post_message(
+    pg: Any, dst: int, tag: int, header: dict[str, Any], tensors: Sequence[Tensor] = ()
+) -> tuple[int, Pending]:
+    """Start sending ``header`` and ``tensors`` to rank ``dst`` without waiting.
 
     Args:
         pg: the gloo process group (``torch.distributed.ProcessGroupGloo``).
@@ -39,18 +67,18 @@ def send_message(pg: Any, dst: int, tag: int, header: dict[str, Any], tensors: S
         tensors: CPU tensors to send after the header.
 
     Returns:
-        The number of bytes sent, header included.
+        The number of bytes sent, header included, and the :class:`Pending` transfers to wait for.
 
     """
     tensors = [t.detach().contiguous() for t in tensors]
     meta = dict(header)
     meta["_tensors"] = [[_dtype_name(t.dtype), list(t.shape)] for t in tensors]
     blob = torch.frombuffer(bytearray(json.dumps(meta).encode()), dtype=torch.uint8)
-    works = [pg.send([torch.tensor([blob.numel()], dtype=torch.int64)], dst, tag), pg.send([blob], dst, tag)]
+    size = torch.tensor([blob.numel()], dtype=torch.int64)
+    works = [pg.send([size], dst, tag), pg.send([blob], dst, tag)]
     works += [pg.send([t], dst, tag) for t in tensors if t.numel() > 0]
-    for work in works:
-        work.wait()
-    return 8 + blob.numel() + sum(t.numel() * t.element_size() for t in tensors)
+    nbytes = 8 + blob.numel() + sum(t.numel() * t.element_size() for t in tensors)
+    return nbytes, Pending(works, [size, blob, *tensors])
 
 
 def recv_message(pg: Any, src: int, tag: int) -> tuple[dict[str, Any], list[Tensor], int]:
