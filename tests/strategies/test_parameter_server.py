@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 import sys
 import time
@@ -210,7 +211,7 @@ def test_asynchronous_training_reaches_90_percent_on_digits(tmp_path: Path, serv
             "--trainer.callbacks=ds_lightning.demos.TrainingReport",
             f"--trainer.callbacks.output_json={report}",
         ],
-        timeout=240,
+        timeout=420,
     )
     assert json.loads(report.read_text())["val_acc"] >= 0.90
 
@@ -392,4 +393,4 @@ def test_a_tf_config_cluster_of_three_hand_started_tasks(tmp_path: Path) -> None
             proc.kill()
     assert [p.returncode for p in procs] == [0, 0, 0], "\n\n".join(o[-3000:] for o in outputs)
     assert json.loads(report.read_text())["val_acc"] >= 0.85
-    assert "parameter server 0 done" in outputs[0] and "workers finished [0, 1], lost []" in outputs[0]
+    assert re.search(r"parameter server 0 done: \d+ updates .* workers finished \[(0, 1|1, 0)\], lost \[\]", outputs[0])
