@@ -393,6 +393,8 @@ class ParameterServerStrategy(DDPStrategy):
                 " during fit would pair up different epochs across workers. Set Trainer(limit_val_batches=0) and"
                 " run trainer.validate(...) after fit, or bound the run with max_epochs/max_steps instead."
             )
+        if self.max_updates is not None:
+            self._keep_metrics_local()
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             # Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training step, a per-step collective that
@@ -409,6 +411,24 @@ class ParameterServerStrategy(DDPStrategy):
             rank_zero_info(
                 f"ds_parameter_server: {self.num_workers} worker(s), {self.num_servers} server(s) holding {sizes};"
                 f" max_staleness={self.max_staleness}, compression={self.compression}, push_every={self.push_every}"
+            )
+
+    def _keep_metrics_local(self) -> None:
+        """Under an update budget workers end at different epochs; torchmetrics would all-gather across them."""
+        from torchmetrics import Metric
+
+        assert self.lightning_module is not None
+        synced = [
+            name for name, m in self.lightning_module.named_modules() if isinstance(m, Metric) and m.sync_on_compute
+        ]
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric):
+                module.sync_on_compute = False
+                module.dist_sync_on_step = False
+        if synced:
+            rank_zero_info(
+                f"ds_parameter_server(max_updates={self.max_updates}): metrics {synced} are computed per worker"
+                " (sync_on_compute=False), since workers stop at different epochs; the chief logs its own."
             )
 
     @override

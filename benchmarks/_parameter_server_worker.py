@@ -1,0 +1,230 @@
+"""One straggler-benchmark run: the digits classifier on 2 CPU workers under ds_mirrored or ds_parameter_server.
+
+Started by ``benchmarks/parameter_server.py`` with a JSON spec; Lightning re-runs this script for every worker and,
+under ds_parameter_server, for every server process (whose ``fit`` returns once it has served). Every worker writes
+``rank{r}.json`` into the spec's ``records`` folder: its step times, how many samples it pushed and when its training
+phase started and ended, and on rank 0 the validation curve and the final accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ds_lightning
+from ds_lightning.demos import DigitsClassifier, DigitsDataModule
+
+
+def _batch_size(batch: Any) -> int:
+    return int(batch[0].shape[0])
+
+
+def _budget_spent(trainer: pl.Trainer) -> bool:
+    """Whether this step's pull found ds_parameter_server's ``max_updates`` spent: the step ran but pushed nothing.
+
+    Nothing else here sets ``should_stop`` (ds_mirrored ends at ``max_steps``), so it marks that last step.
+    """
+    return getattr(trainer.strategy, "max_updates", None) is not None and trainer.should_stop
+
+
+class TimedClassifier(DigitsClassifier):
+    """The digits classifier, noting when its ``training_step`` starts (under ds_parameter_server: after the pull)."""
+
+    step_started = 0.0
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.step_started = time.perf_counter()
+        return super().training_step(batch, batch_idx)
+
+
+PHASES = ("sleep", "before_step", "step_backward", "after_backward")
+
+
+class StepClock(Callback):
+    """Times each step (batch start to batch end, data loading excluded) and counts the samples this worker pushed.
+
+    Registered first, so the clock starts before the straggler's sleep: a step's time includes its delay. Each step
+    is split into the straggler's sleep, the time up to ``training_step`` (ds_parameter_server's pull),
+    ``training_step`` plus backward (ds_mirrored's all-reduce happens in backward) and what follows (the push, or the
+    optimizer step).
+    """
+
+    def __init__(self) -> None:
+        self.step_s: list[float] = []
+        self.phase_s: dict[str, list[float]] = {name: [] for name in PHASES}
+        self.samples = 0
+        self.steps = 0
+        self.first_start: float | None = None
+        self.last_end: float | None = None
+        self._start = 0.0
+        self._backward_done = 0.0
+        self.pending_sleep = 0.0
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+        self.pending_sleep = 0.0
+        if self.first_start is None:
+            self.first_start = time.time()
+
+    def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._backward_done = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        end = time.perf_counter()
+        if _budget_spent(trainer):
+            return
+        self.step_s.append(end - self._start)
+        phases = (
+            self.pending_sleep,
+            pl_module.step_started - self._start - self.pending_sleep,
+            self._backward_done - pl_module.step_started,
+            end - self._backward_done,
+        )
+        for name, value in zip(PHASES, phases, strict=True):
+            self.phase_s[name].append(value)
+        self.samples += _batch_size(batch)
+        self.steps += 1
+        self.last_end = time.time()
+
+
+class Straggler(Callback):
+    """Makes one worker slow: sleeps ``delay_per_sample * batch size`` seconds before each of its steps."""
+
+    def __init__(self, rank: int, delay_per_sample: float, clock: StepClock) -> None:
+        self.rank = rank
+        self.delay_per_sample = delay_per_sample
+        self.clock = clock
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank != self.rank or self.delay_per_sample <= 0:
+            return
+        start = time.perf_counter()
+        time.sleep(self.delay_per_sample * _batch_size(batch))
+        self.clock.pending_sleep = time.perf_counter() - start
+
+
+class Evaluator(Callback):
+    """Rank 0 only, no collectives: every ``every`` steps, accuracy of its current parameters on the validation split.
+
+    Samples seen are global: under ds_mirrored rank 0's steps times the workers' batches, under ds_parameter_server the
+    servers' update count (from the last pull, whose parameters the module holds) times the samples per update.
+    """
+
+    def __init__(self, every: int, val: tuple[torch.Tensor, torch.Tensor], samples_per_update: int) -> None:
+        self.every = every
+        self.x, self.y = val
+        self.samples_per_update = samples_per_update
+        self.curve: list[list[float]] = []
+        self.eval_s = 0.0
+        self._steps = 0
+
+    def accuracy(self, module: Any) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            acc = float((module(self.x).argmax(-1) == self.y).float().mean())
+        self.eval_s += time.perf_counter() - start
+        return acc
+
+    def _samples_seen(self, trainer: pl.Trainer) -> int:
+        pull = getattr(trainer.strategy, "_last_pull", None)
+        if pull is not None:
+            return int(pull.updates) * self.samples_per_update
+        return trainer.global_step * self.samples_per_update
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if trainer.global_rank == 0:
+            self.curve.append([0, self.accuracy(pl_module)])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if trainer.global_rank != 0 or _budget_spent(trainer):
+            return
+        self._steps += 1
+        if self._steps % self.every == 0:
+            self.curve.append([self._samples_seen(trainer), self.accuracy(pl_module)])
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    pl.seed_everything(spec["seed"], verbose=False)
+    workers, batch, steps = 2, spec["batch_size"], spec["steps"]
+    if spec["strategy"] == "ds_mirrored":
+        strategy: Any = ds_lightning.MirroredStrategy(timeout=spec["dist_timeout"])
+        samples_per_update = workers * batch
+        limits = {"max_steps": steps}
+    else:
+        staleness = spec["max_staleness"]
+        # Equal samples: ds_mirrored runs `steps` steps on each worker. Under max_staleness=0 one server update takes
+        # one batch from every worker; otherwise every push is an update of one batch.
+        samples_per_update = workers * batch if staleness == 0 else batch
+        budget = steps if staleness == 0 else workers * steps
+        strategy = ds_lightning.ParameterServerStrategy(
+            max_staleness=staleness, max_updates=budget, timeout=spec["dist_timeout"]
+        )
+        limits = {"max_epochs": 100_000}  # the update budget ends the run, not the epochs
+    clock = StepClock()
+    data = DigitsDataModule(batch_size=batch, seed=0)
+    data.setup("fit")
+    assert data.train_set is not None and data.val_set is not None
+    evaluator = Evaluator(spec["eval_every"], data.val_set.tensors, samples_per_update)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=workers,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=[clock, Straggler(spec["slow_rank"], spec["delay_per_sample"], clock), evaluator],
+        **limits,
+    )
+    loader = DataLoader(data.train_set, batch_size=batch, shuffle=True, drop_last=True)
+    model = TimedClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"])
+    # The epoch-level train_acc would all-gather over the workers at every epoch end (torchmetrics syncs through
+    # torch.distributed, not the strategy), holding ds_parameter_server's fast worker to the slow one once per epoch.
+    # Nothing here reads train_acc, so it stays local under every strategy.
+    model.train_acc.sync_on_compute = False
+    trainer.fit(model, train_dataloaders=loader)
+    if getattr(trainer.strategy, "is_server", False):
+        # A server's fit returns once every worker is done. Its interpreter shutdown takes seconds (outside anything
+        # measured, but the chief's fit waits for it), so it leaves at once.
+        sys.stdout.flush()
+        os._exit(0)
+    rank = trainer.global_rank
+    steps_ms = [1000 * t for t in clock.step_s]
+    busy_ms = [1000 * (t - s) for t, s in zip(clock.step_s, clock.phase_s["sleep"], strict=True)]
+    record: dict[str, Any] = {
+        "rank": rank,
+        "steps": clock.steps,
+        "samples": clock.samples,
+        "first_start": clock.first_start,
+        "last_end": clock.last_end,
+        "median_step_ms": statistics.median(steps_ms) if steps_ms else None,
+        "median_busy_ms": statistics.median(busy_ms) if busy_ms else None,
+        "phase_ms": {name: 1000 * statistics.median(v) if v else None for name, v in clock.phase_s.items()},
+        "step_ms": steps_ms,
+    }
+    if rank == 0:
+        # After fit the chief holds the final parameters (under ds_parameter_server, what its `done` pulled).
+        record["curve"] = evaluator.curve
+        record["final_acc"] = evaluator.accuracy(model)
+        record["eval_s"] = evaluator.eval_s
+    Path(spec["records"], f"rank{rank}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
