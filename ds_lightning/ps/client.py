@@ -160,7 +160,3 @@ class ServerClient:
     def done(self, params: Mapping[str, Tensor], step: int, epoch: int) -> PullResult:
         """Tell every server this worker finished, and fetch the final parameters into ``params``."""
         return self.pull(params, op="done", step=step, epoch=epoch)
-
-    def compression_state(self) -> list[dict[str, Tensor]]:
-        """The top-k residual per server."""
-        return [c.state_dict() for c in self.compressors]

@@ -18,6 +18,7 @@ Requests (``op`` in the header), all from worker ``w``:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -29,7 +30,7 @@ from torch import Tensor
 from ds_lightning.ps.optimizer_shard import ShardOptimizer
 from ds_lightning.ps.push_compression import PushCompressor
 from ds_lightning.ps.staleness import StalenessClock, StalenessStats, SyncAccumulator, staleness_lr_factor
-from ds_lightning.ps.wire import recv_message, send_message
+from ds_lightning.ps.wire import Pending, post_message, recv_message
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class ParameterServer:
         self.deferred: list[tuple[int, dict[str, Any]]] = []
         self.early: list[tuple[int, dict[str, Any], list[Tensor]]] = []
         self.changed = threading.Condition()
+        self.outbox = [Pending([], []) for _ in range(num_workers)]
         self.failure: BaseException | None = None
         self.last_heard = time.monotonic()
         self.report = ServeReport()
@@ -167,6 +169,9 @@ class ParameterServer:
                         " step can take that long."
                     )
                 self.changed.wait(timeout=left)
+        for pending in self.outbox:  # the last answers must reach the workers before this process exits
+            with contextlib.suppress(Exception):  # a lost worker's answer fails; that is already reported
+                pending.wait()
         self.report.updates = self.updates
         self.report.seconds = time.monotonic() - start
         return self.report
@@ -287,6 +292,13 @@ class ParameterServer:
             else:
                 self.deferred.append((worker, header))
 
+    def _post(self, worker: int, answer: dict[str, Any], tensors: list[Tensor]) -> None:
+        # Never block while holding the lock: a blocked send would stop this server's receiving threads, and a
+        # worker waiting for one of them to take its push could then wait for us in turn (seen with 2 servers).
+        # The worker has taken the previous answer before it asked again, so that wait returns at once.
+        self.outbox[worker].wait()
+        _, self.outbox[worker] = post_message(self.pg, worker, REPLY_TAG, answer, [t.clone() for t in tensors])
+
     def _reply(self, worker: int, header: dict[str, Any], with_params: bool = True) -> None:
         window = self.window[worker]
         answer = {
@@ -305,7 +317,7 @@ class ParameterServer:
         self.window[worker] = StalenessStats()
         tensors = [self.shard.flat] if with_params else []
         try:
-            send_message(self.pg, worker, REPLY_TAG, answer, tensors)
+            self._post(worker, answer, tensors)
         except Exception as error:
             self._retire(worker, finished=False)
             log.warning("parameter server %d could not answer worker %d: %s", self.server, worker, error)
@@ -327,7 +339,7 @@ class ParameterServer:
             ],
             "schedulers": [_jsonable(slot.scheduler.state_dict()) for slot in self.schedulers],
         }
-        send_message(self.pg, worker, REPLY_TAG, answer, [self.shard.flat, *state])
+        self._post(worker, answer, [self.shard.flat, *state])
 
 
 def _jsonable(value: Any) -> Any:

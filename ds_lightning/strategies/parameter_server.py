@@ -167,7 +167,6 @@ class ParameterServerStrategy(DDPStrategy):
         self._eval_backup: dict[str, Tensor] | None = None
         self._resume: dict[str, Any] | None = None
         self._final_state: dict[str, Any] | None = None
-        self._server_schedulers: list[Any] = []
         self._budget_spent = False
         self._training = False
 
@@ -380,7 +379,7 @@ class ParameterServerStrategy(DDPStrategy):
             return
         check_server_optimizer(self.optimizers, self.lr_scheduler_configs, self.lightning_module.automatic_optimization)
         # The servers step the schedulers; the workers' copies would only warn that their optimizer never steps.
-        self._server_schedulers, self.lr_scheduler_configs = self.lr_scheduler_configs, []
+        self.lr_scheduler_configs = []
         self._plan = self._make_plan()
         self._params = self._trainable()
         if (
