@@ -12,7 +12,7 @@ from torch import Tensor
 from ds_lightning.ps.push_compression import PushCompressor
 from ds_lightning.ps.server import REPLY_TAG, REQUEST_TAG
 from ds_lightning.ps.sharding import ShardPlan
-from ds_lightning.ps.wire import Pending, post_message, recv_message, send_message
+from ds_lightning.ps.wire import Pending, channel_capacity, post_message, recv_message, send_message
 
 
 class ServerLostError(RuntimeError):
@@ -69,6 +69,10 @@ class ServerClient:
         self.bytes_pushed = 0
         self._pending = [Pending([], []) for _ in range(plan.num_servers)]
         self.bytes_pulled = 0
+        self._capacity = [channel_capacity(4 * plan.server_numel(s)) for s in range(plan.num_servers)]  # fp32 shards
+        self._buffers = [torch.empty(c, dtype=torch.uint8) for c in self._capacity]
+        # The pull that rode on the last push: False (none), True (asked, answer not yet read) or the answer read.
+        self._next_pull: list[bool | tuple[dict[str, Any], list[Tensor], int]] = [False] * plan.num_servers
 
     def _rank(self, server: int) -> int:
         return self.num_workers + server
@@ -86,20 +90,35 @@ class ServerClient:
         try:
             self._pending[server].wait()
             if wait:
-                return send_message(self.pg, self._rank(server), REQUEST_TAG, header, tensors)
-            nbytes, self._pending[server] = post_message(self.pg, self._rank(server), REQUEST_TAG, header, tensors)
+                return send_message(self.pg, self._rank(server), REQUEST_TAG, header, tensors, self._capacity[server])
+            nbytes, self._pending[server] = post_message(
+                self.pg, self._rank(server), REQUEST_TAG, header, tensors, self._capacity[server]
+            )
             return nbytes
         except Exception as error:
             raise self._lost(server, doing, error) from error
 
     def _recv(self, server: int, doing: str) -> tuple[dict[str, Any], list[Tensor], int]:
         try:
-            return recv_message(self.pg, self._rank(server), REPLY_TAG)
+            return recv_message(self.pg, self._rank(server), REPLY_TAG, self._capacity[server], self._buffers[server])
         except Exception as error:
             raise self._lost(server, doing, error) from error
 
     def _ask_all(self, header: dict[str, Any], doing: str) -> list[tuple[dict[str, Any], list[Tensor], int]]:
+        if header["op"] == "pull":
+            for server in range(self.plan.num_servers):
+                if self._next_pull[server] is False:
+                    self._send(server, header, [], doing)
+            replies = [
+                kept if isinstance(kept, tuple) else self._recv(server, doing)
+                for server, kept in enumerate(self._next_pull)
+            ]
+            self._next_pull = [False] * self.plan.num_servers
+            return replies
         for server in range(self.plan.num_servers):
+            if self._next_pull[server] is True:
+                # Answers come in order: read the pull's answer first, and keep it for the next training step.
+                self._next_pull[server] = self._recv(server, doing)
             self._send(server, header, [], doing)
         return [self._recv(server, doing) for server in range(self.plan.num_servers)]
 
@@ -139,18 +158,35 @@ class ServerClient:
         return result
 
     def push(self, grads: Mapping[str, Tensor], basis: int, step: int, epoch: int) -> None:
-        """Send every server its part of the gradient, computed on parameters of version ``basis``."""
-        header = {"op": "push", "basis": basis, "step": step, "epoch": epoch, "compression": self.compression}
+        """Send every server its part of the gradient, computed on parameters of version ``basis``.
+
+        The push also asks for the next pull, so the servers answer it as soon as the staleness rule allows, while
+        this worker finishes its step; :meth:`pull` then only reads the answer.
+        """
+        header = {
+            "op": "push",
+            "basis": basis,
+            "step": step,
+            "epoch": epoch,
+            "compression": self.compression,
+            "then_pull": True,
+        }
         for server in range(self.plan.num_servers):
+            if self._next_pull[server] is not False:
+                raise RuntimeError("push() twice without a pull() between them; the strategy pulls after every push.")
             flat = self.plan.flatten(grads, server).float().cpu()
             payload = self.compressors[server].encode(flat)
             # Not waited for: the push travels while this worker moves on; the next request waits for it.
             self.bytes_pushed += self._send(server, header, payload, "pushing gradients", wait=False)
+            self._next_pull[server] = True
 
     def status(self) -> list[int]:
         """Workers that no longer take part: lost or finished (asks server 0)."""
-        self._send(0, {"op": "status"}, [], "asking for the live workers")
-        header, _, _ = self._recv(0, "asking for the live workers")
+        doing = "asking for the live workers"
+        if self._next_pull[0] is True:
+            self._next_pull[0] = self._recv(0, doing)
+        self._send(0, {"op": "status"}, [], doing)
+        header, _, _ = self._recv(0, doing)
         return list(header["gone"])
 
     def state(self) -> list[tuple[dict[str, Any], list[Tensor]]]:

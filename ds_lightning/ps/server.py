@@ -10,7 +10,8 @@ Requests (``op`` in the header), all from worker ``w``:
 * ``init`` (chief only, first): the parameters, optimizer and scheduler state and progress to start from.
 * ``pull``: answer with this shard once the staleness rule lets ``w`` start its next step.
 * ``peek``: answer at once (evaluation reads the latest parameters).
-* ``push``: a gradient computed on parameters of version ``basis``; nothing is sent back.
+* ``push``: a gradient computed on parameters of version ``basis``; with ``then_pull`` it also asks for the next
+  pull, answered like ``pull``, so the answer is on its way while the worker finishes its step.
 * ``state``: everything a checkpoint needs.
 * ``status``: which workers are alive.
 * ``done``: ``w`` finished; answer with the final shard (under ``max_staleness=0`` once its last push is applied).
@@ -25,12 +26,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ds_lightning.ps.optimizer_shard import ShardOptimizer
 from ds_lightning.ps.push_compression import PushCompressor
 from ds_lightning.ps.staleness import StalenessClock, StalenessStats, SyncAccumulator, staleness_lr_factor
-from ds_lightning.ps.wire import Pending, post_message, recv_message
+from ds_lightning.ps.wire import Pending, channel_capacity, post_message, recv_message
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,7 @@ class ParameterServer:
         self.early: list[tuple[int, dict[str, Any], list[Tensor]]] = []
         self.changed = threading.Condition()
         self.outbox = [Pending([], []) for _ in range(num_workers)]
+        self.capacity = channel_capacity(shard.flat.numel() * shard.flat.element_size())  # one fp32 shard per transfer
         self.failure: BaseException | None = None
         self.last_heard = time.monotonic()
         self.report = ServeReport()
@@ -115,9 +118,10 @@ class ParameterServer:
     # --- receiving ------------------------------------------------------------------------------------------------
 
     def _receive_from(self, worker: int) -> None:
+        buffer = torch.empty(self.capacity, dtype=torch.uint8)
         while True:
             try:
-                header, tensors, _ = recv_message(self.pg, worker, REQUEST_TAG)
+                header, tensors, _ = recv_message(self.pg, worker, REQUEST_TAG, self.capacity, buffer)
             except Exception as error:
                 first = str(error).split(". This is typically")[0].splitlines()[0][:300]
                 header, tensors = {"op": "lost", "error": first}, []
@@ -128,8 +132,10 @@ class ParameterServer:
                 except BaseException as error:
                     self.failure = error
                 self.last_heard = time.monotonic()
-                self.changed.notify_all()
-            if header.get("op") in ("done", "lost") or self.failure is not None:
+                leaving = header.get("op") in ("done", "lost") or self.failure is not None
+                if leaving:
+                    self.changed.notify_all()  # only the end of a worker concerns the main thread
+            if leaving:
                 return
 
     def _dispatch(self, worker: int, header: dict[str, Any], tensors: list[Tensor]) -> None:
@@ -184,6 +190,8 @@ class ParameterServer:
             self._init(header, tensors)
         elif op == "push":
             self._push(worker, header, tensors)
+            if header.get("then_pull") and worker not in self.report.lost:
+                self.deferred.append((worker, {"op": "pull", "step": header.get("step"), "epoch": header.get("epoch")}))
         elif op in ("pull", "done"):
             if op == "done":
                 self.worker_progress[worker] = [int(header.get("step", 0)), int(header.get("epoch", 0))]
@@ -297,7 +305,9 @@ class ParameterServer:
         # worker waiting for one of them to take its push could then wait for us in turn (seen with 2 servers).
         # The worker has taken the previous answer before it asked again, so that wait returns at once.
         self.outbox[worker].wait()
-        _, self.outbox[worker] = post_message(self.pg, worker, REPLY_TAG, answer, [t.clone() for t in tensors])
+        _, self.outbox[worker] = post_message(
+            self.pg, worker, REPLY_TAG, answer, [t.clone() for t in tensors], self.capacity
+        )
 
     def _reply(self, worker: int, header: dict[str, Any], with_params: bool = True) -> None:
         window = self.window[worker]

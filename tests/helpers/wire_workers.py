@@ -22,10 +22,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_lightning.ps.wire import recv_message, send_message
+from ds_lightning.ps.wire import FRAME_BYTES, recv_message, send_message
 
 GROUP_TIMEOUT = timedelta(seconds=30)
-MAIN_TAG, ORDER_TAG, TAG_A, TAG_B, DONE_TAG = 1, 2, 21, 22, 3
+MAIN_TAG, ORDER_TAG, TAG_A, TAG_B, DONE_TAG, CAPACITY_TAG = 1, 2, 21, 22, 3, 4
 ORDER_COUNT = 6
 CHANNEL_COUNT = 5
 
@@ -53,6 +53,24 @@ def sample_tensors() -> list[torch.Tensor]:
         torch.tensor(3.5),
         torch.empty(0, 3),
         torch.randn(4, 6, generator=gen).t(),  # non-contiguous
+    ]
+
+
+def long_header() -> dict[str, Any]:
+    """A header longer than the wire's fixed frame (what a checkpoint's state reply looks like)."""
+    return {"entries": [[index, f"exp_avg_{index}"] for index in range(300)], "text": "é" * 500}
+
+
+CAPACITY = FRAME_BYTES + 100  # room for 100 tensor bytes in the first transfer
+
+
+def capacity_messages() -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
+    """Messages for a channel with :data:`CAPACITY`: fits, fits exactly, too big by one byte, no tensors."""
+    return [
+        ({"fits": 1}, [torch.tensor([1.5, -2.0], dtype=torch.bfloat16), torch.tensor([2**40]), torch.tensor(7.0)]),
+        ({"fits": 2}, [torch.arange(100, dtype=torch.int64).to(torch.uint8)]),
+        ({"fits": 0}, [torch.arange(101, dtype=torch.int64).to(torch.uint8), torch.ones(2)]),
+        ({"fits": 3}, []),
     ]
 
 
@@ -109,6 +127,8 @@ def exchange(rank: int, port: int, out: str) -> None:
         except ValueError as error:
             result["bad_dtype_error"] = str(error)
         send_message(pg, 1, MAIN_TAG, {"after": "bad"}, [torch.ones(2)])
+        result["long_bytes"] = send_message(pg, 1, MAIN_TAG, long_header(), [torch.arange(5)])
+        result["capacity_bytes"] = [send_message(pg, 1, CAPACITY_TAG, *m, CAPACITY) for m in capacity_messages()]
         for seq in range(ORDER_COUNT):
             send_message(pg, 1, ORDER_TAG, *order_message(seq))
 
@@ -145,6 +165,12 @@ def exchange(rank: int, port: int, out: str) -> None:
         header, tensors, received = recv_message(pg, 0, MAIN_TAG)
         result: dict[str, Any] = {"header": header, "tensors": tensors, "received_bytes": received}
         result["after_bad"] = recv_message(pg, 0, MAIN_TAG)[:2]
+        *result["long"], result["long_bytes"] = recv_message(pg, 0, MAIN_TAG)
+        buffer = torch.empty(CAPACITY, dtype=torch.uint8)  # reused by every receive below
+        # The first message's single transfer, read raw: frame, then the tensors' bytes right behind it.
+        pg.recv([buffer], 0, CAPACITY_TAG).wait()
+        result["capacity_raw"] = buffer.clone()
+        result["capacity"] = [recv_message(pg, 0, CAPACITY_TAG, CAPACITY, buffer) for _ in capacity_messages()[1:]]
         result["order"] = [recv_message(pg, 0, ORDER_TAG)[:2] for _ in range(ORDER_COUNT)]
         # All of channel "b" first, although "a" runs concurrently: each tag must only yield its own messages.
         result["channel_b"] = [recv_message(pg, 0, TAG_B)[:2] for _ in range(CHANNEL_COUNT)]

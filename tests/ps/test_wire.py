@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from ds_lightning.ps.wire import FRAME_BYTES
 from tests.helpers import wire_workers
 from tests.helpers.runner import free_port
 
@@ -76,16 +77,42 @@ def test_header_and_tensors_of_every_dtype_arrive_equal(exchanged):
     _assert_same_tensors(receiver["tensors"], expected)
 
 
-def test_byte_counts_agree_and_equal_length_prefix_header_and_tensor_bytes(exchanged):
+def test_byte_counts_agree_and_equal_frame_plus_tensor_bytes(exchanged):
     sender, receiver = exchanged
-    tensors = wire_workers.sample_tensors()
-    meta = {
-        **wire_workers.HEADER,
-        "_tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors],
-    }
-    header_bytes = len(json.dumps(meta).encode())
-    tensor_bytes = sum(t.numel() * t.element_size() for t in tensors)
-    assert sender["sent_bytes"] == receiver["received_bytes"] == 8 + header_bytes + tensor_bytes
+    tensor_bytes = sum(t.numel() * t.element_size() for t in wire_workers.sample_tensors())
+    assert sender["sent_bytes"] == receiver["received_bytes"] == FRAME_BYTES + tensor_bytes
+
+
+def test_header_longer_than_the_frame_follows_in_one_more_transfer(exchanged):
+    sender, receiver = exchanged
+    header, tensors = receiver["long"]
+    assert header == wire_workers.long_header()
+    _assert_same_tensors(tensors, [torch.arange(5)])
+    meta = {**wire_workers.long_header(), "_tensors": [["int64", [5]]], "_inline": False}
+    text_bytes = len(json.dumps(meta).encode())
+    assert text_bytes > FRAME_BYTES
+    assert sender["long_bytes"] == receiver["long_bytes"] == FRAME_BYTES + text_bytes + 5 * 8
+
+
+def test_a_message_that_fits_the_channel_capacity_is_one_transfer_of_frame_and_tensor_bytes(exchanged):
+    _, receiver = exchanged
+    raw = receiver["capacity_raw"]
+    _, tensors = wire_workers.capacity_messages()[0]
+    payload = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
+    assert torch.equal(raw[FRAME_BYTES : FRAME_BYTES + payload.numel()], payload)
+    # The next receive on the channel got the next message, so nothing of the first one followed separately.
+    assert receiver["capacity"][0][0] == {"fits": 2}
+
+
+def test_capacity_channel_messages_arrive_equal_and_never_alias_the_reused_buffer(exchanged):
+    sender, receiver = exchanged
+    expected = wire_workers.capacity_messages()[1:]
+    for (header, tensors, nbytes), (want_header, want_tensors) in zip(receiver["capacity"], expected, strict=True):
+        assert header == want_header  # the reserved "_inline" flag is not handed back
+        # Later messages reused the receive buffer: equal tensors here mean none of them was a view into it.
+        _assert_same_tensors(tensors, want_tensors)
+        assert nbytes == FRAME_BYTES + sum(t.numel() * t.element_size() for t in want_tensors)
+    assert sender["capacity_bytes"][1:] == [r[2] for r in receiver["capacity"]]
 
 
 def test_unsupported_dtype_raises_value_error_before_anything_is_sent(exchanged):

@@ -18,6 +18,8 @@ from torch import nn
 
 import ds_lightning
 from ds_lightning.environments import TFConfigError
+from ds_lightning.ps.push_compression import topk_count
+from ds_lightning.ps.wire import FRAME_BYTES
 from ds_lightning.strategies._ps_launchers import ServerLauncher, WorkerLauncher
 from tests.helpers.runner import CONFIGS, REPO, ds_train, free_port, quiet_trainer_args, worker_env
 
@@ -351,8 +353,10 @@ def test_update_budget_compression_and_traffic_logging(tmp_path: Path) -> None:
         rows = [r for r in _metrics(tmp_path / name) if r.get("ps/bytes_pushed")]
         pushed[name] = max(float(r["ps/bytes_pushed"]) for r in rows)
     params = sum(p.numel() for _, p in _net_parameters())
-    assert pushed["dense"] > 4 * params > pushed["half"] > 2 * params  # fp32 vs fp16 payload plus a JSON header
-    assert pushed["topk"] < pushed["half"] / 2
+    # One push is the wire's header frame plus its payload: fp32, fp16, or top-k's int64 indices and fp32 values.
+    assert pushed["dense"] == FRAME_BYTES + 4 * params
+    assert pushed["half"] == FRAME_BYTES + 2 * params
+    assert pushed["topk"] == FRAME_BYTES + topk_count(params, 0.02) * (8 + 4)
 
 
 @pytest.mark.multiprocess
