@@ -22,29 +22,6 @@ def _record_args(record: Path) -> list[str]:
     return ["--trainer.callbacks+=tests.helpers.callbacks.RecordStrategy", f"--trainer.callbacks.path={record}"]
 
 
-def test_print_config_shows_the_strategy_and_options():
-    run = ds_train(["fit", f"--config={MIRRORED}", "--print_config"], timeout=60)
-    assert "strategy: ds_mirrored" in run.output
-    run = ds_train(
-        [
-            "fit",
-            f"--config={MIRRORED}",
-            "--trainer.strategy=ds_lightning.strategies.MirroredStrategy",
-            "--print_config",
-        ],
-        timeout=60,
-    )
-    assert "strategy: ds_lightning.strategies.MirroredStrategy" in run.output
-
-
-def test_unknown_ds_name_lists_the_available_ones():
-    run = ds_train(["fit", f"--config={MIRRORED}", "--trainer.strategy=ds_mirorred"], timeout=60, check=False)
-    assert run.returncode != 0
-    assert "Did you mean 'ds_mirrored'?" in run.output
-    assert "ds_mirrored, ds_mirrored_fork, ds_mirrored_spawn" in run.output
-    assert "Initializing distributed" not in run.output
-
-
 @pytest.mark.multiprocess
 def test_console_script_with_class_path_on_the_command_line(tmp_path):
     record = tmp_path / "record.json"
@@ -118,48 +95,94 @@ def test_evaluation_subcommands_run_distributed(tmp_path, digits_checkpoint, sub
         assert "test_acc" in run.output
 
 
-@pytest.mark.parametrize(
-    ("override", "message"),
-    [
-        ("--trainer.strategy.bogus=1", "bogus"),
-        ("--trainer.strategy.gradient_compression=zip", "zip"),
-        ("--trainer.strategy.timeout=soon", "soon"),
-        ("--trainer.strategy.timeout=-5", "timeout=-5"),
-    ],
-    ids=["unknown-option", "bad-choice", "wrong-type", "out-of-range"],
-)
-def test_bad_configuration_fails_before_processes_start(tmp_path, override, message):
-    run = ds_train(
-        [
-            "fit", f"--config={MIRRORED}", *quiet_trainer_args(tmp_path),
-            "--trainer.strategy=ds_lightning.strategies.MirroredStrategy", override,
-        ],
-        timeout=60, check=False,
-    )  # fmt: skip
-    assert run.returncode != 0
-    assert message in run.output, run.output[-3000:]
-    assert "Initializing distributed" not in run.output
-
-
-def test_more_devices_than_available_fails_at_construction(tmp_path):
-    assert not torch.cuda.is_available()
-    run = ds_train(
-        ["fit", f"--config={MIRRORED}", *quiet_trainer_args(tmp_path), "--trainer.accelerator=cuda"],
-        timeout=60,
-        check=False,
+def _cli_calls(calls: list[list[str]]) -> list[tuple[str, str]]:
+    """Run ``ds-train`` command lines that end before training in one process; (exit code, output) per call."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.helpers.cli_calls", json.dumps(calls)],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=180,
     )
-    assert run.returncode != 0
-    assert "not available" in run.output, run.output[-3000:]
-    assert "Initializing distributed" not in run.output
+    parts = ("\n" + proc.stdout).split("\n=== ")[1:]
+    assert len(parts) == len(calls), proc.stdout[-4000:]
+    results = []
+    for part in parts:
+        body, _, code = part.rpartition("--- exit ")
+        results.append((code.strip(), body))
+    return results
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
-def test_example_configs_parse(config):
-    run = ds_train(["fit", f"--config={config}", "--print_config"], timeout=60)
-    expected = {
-        "mirrored.yaml": "strategy: ds_mirrored",
-        "mirrored_powersgd.yaml": "class_path: ds_lightning.strategies.MirroredStrategy",
-        "parameter_server.yaml": "class_path: ds_lightning.strategies.ParameterServerStrategy",
-        "pipeline.yaml": "class_path: ds_lightning.strategies.PipelineStrategy",
-    }[config.name]
-    assert expected in run.output
+# --- command lines that end before any training process starts, run in one process -------------------------------
+
+EXPECTED_CONFIGS = {
+    "callbacks.yaml": "class_path: ds_lightning.callbacks.DynamicLoadBalancer",
+    "mirrored.yaml": "strategy: ds_mirrored",
+    "mirrored_powersgd.yaml": "class_path: ds_lightning.strategies.MirroredStrategy",
+    "parameter_server.yaml": "class_path: ds_lightning.strategies.ParameterServerStrategy",
+    "pipeline.yaml": "class_path: ds_lightning.strategies.PipelineStrategy",
+}
+BAD_OVERRIDES = {
+    "unknown-option": ("--trainer.strategy.bogus=1", "bogus"),
+    "bad-choice": ("--trainer.strategy.gradient_compression=zip", "zip"),
+    "wrong-type": ("--trainer.strategy.timeout=soon", "soon"),
+    "out-of-range": ("--trainer.strategy.timeout=-5", "timeout=-5"),
+}
+
+
+@pytest.fixture(scope="module")
+def early_exits(tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """(exit code, output) of every such command line, by label."""
+    root = tmp_path_factory.mktemp("cli")
+    class_path = "--trainer.strategy=ds_lightning.strategies.MirroredStrategy"
+    calls = {
+        "print-name": ["fit", f"--config={MIRRORED}", "--print_config"],
+        "print-class-path": ["fit", f"--config={MIRRORED}", class_path, "--print_config"],
+        "unknown-name": ["fit", f"--config={MIRRORED}", "--trainer.strategy=ds_mirorred"],
+        "no-cuda": ["fit", f"--config={MIRRORED}", *quiet_trainer_args(root), "--trainer.accelerator=cuda"],
+    }
+    for label, (override, _) in BAD_OVERRIDES.items():
+        calls[label] = ["fit", f"--config={MIRRORED}", *quiet_trainer_args(root), class_path, override]
+    for config in sorted(CONFIGS.glob("*.yaml")):
+        calls[config.name] = ["fit", f"--config={config}", "--print_config"]
+    return dict(zip(calls, _cli_calls(list(calls.values())), strict=True))
+
+
+def test_print_config_shows_the_strategy_and_options(early_exits):
+    assert "strategy: ds_mirrored" in early_exits["print-name"][1]
+    assert "strategy: ds_lightning.strategies.MirroredStrategy" in early_exits["print-class-path"][1]
+
+
+def test_unknown_ds_name_lists_the_available_ones(early_exits):
+    code, output = early_exits["unknown-name"]
+    assert code != "0"
+    assert "Did you mean 'ds_mirrored'?" in output
+    assert "ds_mirrored, ds_mirrored_fork, ds_mirrored_spawn" in output
+    assert "Initializing distributed" not in output
+
+
+def test_more_devices_than_available_fails_at_construction(early_exits):
+    assert not torch.cuda.is_available()
+    code, output = early_exits["no-cuda"]
+    assert code != "0"
+    assert "not available" in output, output[-3000:]
+    assert "Initializing distributed" not in output
+
+
+@pytest.mark.parametrize("label", list(BAD_OVERRIDES))
+def test_bad_configuration_fails_before_processes_start(early_exits, label):
+    code, output = early_exits[label]
+    assert code != "0"
+    assert BAD_OVERRIDES[label][1] in output, output[-3000:]
+    assert "Initializing distributed" not in output
+
+
+def test_example_configs_parse(early_exits):
+    assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(EXPECTED_CONFIGS)  # a new example needs a line
+    for name, text in EXPECTED_CONFIGS.items():
+        code, output = early_exits[name]
+        assert code == "0", (name, output[-3000:])
+        assert text in output, (name, output[-2000:])
+        assert "model:" in output and "trainer:" in output

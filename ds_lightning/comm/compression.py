@@ -6,6 +6,8 @@ per-parameter state that survives DDP's bucket rebuild). This module adds a byte
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations at runtime.
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
@@ -24,16 +26,22 @@ COMPRESSIONS: tuple[str, ...] = get_args(CompressionName)
 
 @dataclass
 class _CastState:
-    """State of the half-width hooks: the group plus counters."""
+    """State of the plain and half-width hooks: the group plus counters."""
 
     process_group: dist.ProcessGroup | None
     bytes_sent: int = 0
     steps: int = 0
+    width: int = 2  # bytes per element on the wire
 
     def count(self, bucket: dist.GradBucket) -> None:
-        self.bytes_sent += bucket.buffer().numel() * 2
+        self.bytes_sent += bucket.buffer().numel() * self.width
         if bucket.is_last():
             self.steps += 1
+
+
+def _allreduce_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.count(bucket)
+    return default_hooks.allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
 
 
 def _fp16_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -92,9 +100,17 @@ class GradientCompressor:
         self.seed = seed
         self._state: _CastState | PowerSGDState | None = None
         self._uncompressed_bytes = 0
+        self.weight = 1.0  # applied to every bucket when registered with weighted=True
+        self.last_bucket_time = 0.0  # perf_counter() when the last bucket's hook last started (weighted only)
 
-    def register(self, model: DistributedDataParallel, process_group: dist.ProcessGroup | None = None) -> None:
+    def register(
+        self, model: DistributedDataParallel, process_group: dist.ProcessGroup | None = None, weighted: bool = False
+    ) -> None:
         """Register the hook on ``model`` (none for ``"none"``: DDP's built-in all-reduce is fastest).
+
+        With ``weighted`` every bucket is first multiplied by :attr:`weight`, which the caller sets before each
+        backward pass (the load balancer's ``world_size * local_batch / global_batch``), so the mean over ranks
+        becomes the mean over the global batch; a hook is then registered for ``"none"`` too.
 
         Raises:
             RuntimeError: if called twice; DDP accepts one comm hook per model (pytorch issue 102721).
@@ -114,11 +130,25 @@ class GradientCompressor:
                 param_index={id(p): i for i, p in enumerate(model.parameters())},
             )
             self._state = state
-            model.register_comm_hook(state, _powersgd_hook)
+            model.register_comm_hook(state, self._weighting(_powersgd_hook) if weighted else _powersgd_hook)
             return
-        self._state = _CastState(process_group=process_group)
-        if self.name != "none":
-            model.register_comm_hook(self._state, _fp16_hook if self.name == "fp16" else _bf16_hook)
+        self._state = _CastState(process_group=process_group, width=4 if self.name == "none" else 2)
+        hook = {"none": _allreduce_hook, "fp16": _fp16_hook, "bf16": _bf16_hook}[self.name]
+        if weighted:
+            model.register_comm_hook(self._state, self._weighting(hook))
+        elif self.name != "none":
+            model.register_comm_hook(self._state, hook)
+
+    def _weighting(self, hook: Callable[[Any, dist.GradBucket], Any]) -> Callable[[Any, dist.GradBucket], Any]:
+        def weighted(state, bucket):  # unannotated: DDP checks a hook's annotations at runtime
+            if bucket.is_last():
+                # The last bucket is launched once this rank's backward finished: the end of its own compute.
+                self.last_bucket_time = time.perf_counter()
+            if self.weight != 1.0:
+                bucket.buffer().mul_(self.weight)
+            return hook(state, bucket)
+
+        return weighted
 
     @property
     def bytes_per_step(self) -> float:
@@ -128,6 +158,13 @@ class GradientCompressor:
         if self.name == "none":
             return float(self._uncompressed_bytes)
         return self._state.bytes_sent / max(self._state.steps, 1)
+
+    @property
+    def rounds(self) -> int | None:
+        """Gradient synchronisations so far, counted by the hook (``None`` for ``"none"``, which has no hook)."""
+        if self._state is None or (self.name == "none" and self._state.steps == 0):
+            return None
+        return self._state.steps
 
     @property
     def uncompressed_bytes_per_step(self) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -133,6 +134,7 @@ class MirroredStrategy(DDPStrategy):
         self.gradient_compression = gradient_compression
         self.even_batches = even_batches
         self._pending_compression_state: dict[str, Any] | None = None
+        self._train_loader_factory: Callable[[Any], Any] | None = None
 
     @classmethod
     @override
@@ -164,7 +166,30 @@ class MirroredStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks on CUDA only; ours must work on gloo too.
         assert isinstance(self.model, DistributedDataParallel)
-        self._compressor.register(self.model)
+        self._compressor.register(self.model, weighted=self._train_loader_factory is not None)
+
+    def balance_batches(self, train_loader_factory: Callable[[Any], Any]) -> None:
+        """Let a load balancer build the training DataLoader and weight each rank's gradients.
+
+        ``train_loader_factory(loader)`` receives the training DataLoader (with its DistributedSampler) and returns
+        the one to use; every bucket is multiplied by :attr:`gradient_weight` before the all-reduce. Call it before
+        the run is set up (a callback's ``setup``), as :class:`~ds_lightning.callbacks.DynamicLoadBalancer` does.
+        """
+        self._train_loader_factory = train_loader_factory
+
+    @property
+    def gradient_weight(self) -> float:
+        """This rank's gradient multiplier before averaging (``world_size * local_batch / global_batch``)."""
+        return self._compressor.weight
+
+    @gradient_weight.setter
+    def gradient_weight(self, weight: float) -> None:
+        self._compressor.weight = float(weight)
+
+    @property
+    def last_bucket_time(self) -> float:
+        """``time.perf_counter()`` when this rank's last gradient bucket was launched (while balancing)."""
+        return self._compressor.last_bucket_time
 
     @property
     def comm_bytes_per_step(self) -> float:
@@ -182,6 +207,8 @@ class MirroredStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if self._train_loader_factory is not None and trainer is not None and trainer.training:
+            return self._train_loader_factory(dataloader)  # equal step counts by construction
         # Prediction deliberately gives ranks uneven shards and runs no collectives per batch.
         if not self.even_batches or (trainer is not None and trainer.state.fn == TrainerFn.PREDICTING):
             return dataloader

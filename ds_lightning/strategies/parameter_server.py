@@ -793,8 +793,12 @@ class _PushingOptimizer:
         return self._optimizer.param_groups
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = closure() if closure is not None else None
-        self._push(loss)
+        if closure is None:
+            # The precision plugin ran the closure itself (AMP's scaler does, then steps only on finite gradients).
+            self._push(True)
+            return None
+        loss = closure()
+        self._push(loss)  # a closure that returned None (training_step skipped the batch) pushes nothing
         return loss
 
     def __getattr__(self, name: str) -> Any:

@@ -10,6 +10,8 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel
 
 
 class SaveParams(Callback):
@@ -62,3 +64,55 @@ class RecordStrategy(Callback):
         }
         if trainer.is_global_zero:
             Path(self.path).write_text(json.dumps(record, indent=2))
+
+
+class RecordSteps(Callback):
+    """Every rank records each optimizer step's learning rate (as the optimizer applies it) and, at the end, the
+    accumulation and gradient-synchronisation counts; written as JSON to ``{path}.rank{R}.json``.
+
+    List it after the callbacks under test: its optimizer pre-hook then runs after theirs.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.lrs: list[list[float]] = []  # [global_step, lr of param group 0]
+        self.micro_batches = 0
+        self.batch_sizes: list[int] = []
+        self.sync_rounds: int | None = None  # gradient all-reduce rounds, counted by a comm hook under plain DDP
+        self._handle: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        def record(optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.lrs.append([trainer.global_step, float(optimizer.param_groups[0]["lr"])])
+
+        self._handle = trainer.optimizers[0].register_step_pre_hook(record)
+        model = trainer.strategy.model
+        if isinstance(model, DistributedDataParallel) and not getattr(model, "_comm_hooks", None):
+            self.sync_rounds = 0
+
+            def count(state, bucket):  # no annotations: DDP checks them at runtime
+                if bucket.is_last():
+                    self.sync_rounds += 1
+                return default_hooks.allreduce_hook(state, bucket)
+
+            model.register_comm_hook(None, count)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, *args: Any) -> None:
+        self.micro_batches += 1
+        self.batch_sizes.append(len(batch[0]))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+        compressor = getattr(trainer.strategy, "_compressor", None)
+        accumulation = [c for c in trainer.callbacks if type(c).__name__ == "GradientAccumulation"]
+        record = {
+            "global_step": trainer.global_step,
+            "micro_batches": self.micro_batches,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "partial_windows": accumulation[0].partial_windows if accumulation else None,
+            "sync_rounds": self.sync_rounds if self.sync_rounds is not None else getattr(compressor, "rounds", None),
+            "lrs": self.lrs,
+            "batch_sizes": self.batch_sizes,
+        }
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))

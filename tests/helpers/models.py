@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+
+from ds_lightning.demos import DigitsClassifier
 
 
 class TinyModule(pl.LightningModule):
@@ -43,3 +47,47 @@ class TinyData(pl.LightningDataModule):
 
     def val_dataloader(self):
         return DataLoader(self.dataset, batch_size=self.batch_size)
+
+
+class DigitsWithStepLR(DigitsClassifier):
+    """The digits classifier with plain SGD and a per-step ``StepLR`` (halves the rate every ``lr_step_size`` steps)."""
+
+    def __init__(self, hidden_sizes: list[int] | None = None, lr: float = 0.05, lr_step_size: int = 3) -> None:
+        super().__init__(hidden_sizes=tuple(hidden_sizes or [32]), lr=lr, momentum=0.0)
+        self.lr_step_size = lr_step_size
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=self.lr_step_size, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class OverflowingModule(TinyModule):
+    """TinyModule whose loss is multiplied by inf at optimizer step ``inf_at_step``, so its gradients overflow."""
+
+    def __init__(self, lr: float = 0.1, inf_at_step: int = 2) -> None:
+        super().__init__(lr=lr)
+        self.inf_at_step = inf_at_step
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("inf") if self.trainer.global_step == self.inf_at_step else loss
+
+
+class SlowRankDigits(DigitsClassifier):
+    """The digits classifier (plain SGD) whose ``slow_rank`` sleeps ``delay_ms`` per sample in every training step."""
+
+    def __init__(
+        self, hidden_sizes: list[int] | None = None, lr: float = 0.1, slow_rank: int = 1, delay_ms: float = 0.0
+    ):
+        super().__init__(hidden_sizes=tuple(hidden_sizes or [32]), lr=lr, momentum=0.0)
+        self.slow_rank = slow_rank
+        self.delay_ms = delay_ms
+
+    def training_step(self, batch, batch_idx):
+        if self.delay_ms and self.global_rank == self.slow_rank:
+            time.sleep(self.delay_ms * len(batch[0]) / 1000)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])

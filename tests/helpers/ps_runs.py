@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ds_lightning
+from ds_lightning.callbacks import GradientAccumulation, MixedPrecision
 
 FEATURES, CLASSES = 16, 4
 
@@ -35,11 +36,19 @@ def make_data(n: int) -> TensorDataset:
 
 
 class Net(pl.LightningModule):
-    def __init__(self, optimizer: str = "sgd", scheduler: str | None = None, lr: float = 0.1, hidden: int = 32) -> None:
+    def __init__(
+        self,
+        optimizer: str = "sgd",
+        scheduler: str | None = None,
+        lr: float = 0.1,
+        hidden: int = 32,
+        inf_at_step: int | None = None,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, CLASSES))
         self.optimizer, self.scheduler, self.lr = optimizer, scheduler, lr
+        self.inf_at_step = inf_at_step  # the loss of this optimizer step is multiplied by inf: its gradients overflow
         self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -50,7 +59,7 @@ class Net(pl.LightningModule):
         loss = nn.functional.cross_entropy(self(x), y)
         self.losses.append(float(loss))
         self.log("train_loss", loss)
-        return loss
+        return loss * float("inf") if self.trainer.global_step == self.inf_at_step else loss
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         x, y = batch
@@ -115,6 +124,10 @@ def main(spec_path: str) -> None:
     data = make_data(spec.get("n", 128))
     batch = spec.get("batch_size", 8) * (spec.get("devices", 2) if single else 1)
     callbacks: list[Callback] = [record := Record(spec)]
+    if spec.get("accumulate"):
+        callbacks.append(GradientAccumulation(steps=spec["accumulate"]))
+    if spec.get("amp"):
+        callbacks.append(MixedPrecision(**spec["amp"]))
     if spec.get("ckpt_dir"):
         callbacks.append(ModelCheckpoint(dirpath=spec["ckpt_dir"], save_top_k=-1, every_n_epochs=1))
     strategy: Any = "auto" if single else ds_lightning.ParameterServerStrategy(**spec.get("strategy_kwargs", {}))

@@ -535,3 +535,30 @@ def test_example_pipeline_config_trains_the_digits_with_ds_train(tmp_path):
     # 3 traced steps x 4 micro-batches x (forward + backward) on each of the 2 ranks.
     assert len(spans) == 3 * 4 * 2 * 2
     assert trace.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_accumulation_and_lr_scaling_callbacks_drive_the_pipeline(tmp_path):
+    out = tmp_path / "steps"
+    ds_train(
+        [
+            "fit",
+            f"--config={CONFIGS / 'pipeline.yaml'}",
+            *quiet_trainer_args(tmp_path),
+            "--trainer.max_steps=4",
+            "--trainer.limit_val_batches=0",
+            "--trainer.strategy.init_args.trace_path=null",
+            "--trainer.callbacks+=ds_lightning.callbacks.GradientAccumulation",
+            "--trainer.callbacks.steps=2",
+            "--trainer.callbacks+=ds_lightning.callbacks.LRScaling",
+            "--trainer.callbacks.base_batch_size=16",
+            "--trainer.callbacks.warmup_steps=2",
+            "--trainer.callbacks+=tests.helpers.callbacks.RecordSteps",
+            f"--trainer.callbacks.path={out}",
+        ],
+        timeout=240,
+    )
+    for rank in (0, 1):  # both stages read the same batches: the effective batch is 32 x 1 replica x 2 = 64
+        record = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        assert record["global_step"] == 4 and record["micro_batches"] == 8
+        # 0.05 x 64 / 16, warmed up over 2 steps from 0.1 of it.
+        assert [round(lr, 9) for _, lr in record["lrs"]] == [0.02, 0.11, 0.2, 0.2]

@@ -1,0 +1,149 @@
+"""``MixedPrecision``: bf16 or fp16 autocast with a configurable loss scaler, switched on by a callback."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from typing_extensions import override
+
+from ds_lightning.callbacks._amp_plugin import MixedPrecision as _AmpPlugin
+
+__all__ = ["MixedPrecision"]
+
+PrecisionName = Literal["auto", "bf16", "fp16"]
+
+
+def _check_range(name: str, value: object, low: float, high: float, rule: str, example: str) -> None:
+    """``value`` must be a number strictly between ``low`` and ``high``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
+        raise ValueError(f"{name}={value!r} must be {rule}, e.g. MixedPrecision({name}={example}).")
+
+
+class MixedPrecision(Callback):
+    """Train with automatic mixed precision: the forward pass in bf16 or fp16, parameters and optimizer in fp32.
+
+    ``precision="auto"`` picks bf16 where the device supports it (every CPU, recent GPUs) and fp16 with dynamic loss
+    scaling on GPUs without bf16. Under fp16 a ``torch.amp.GradScaler`` scales the loss; gradients are unscaled
+    exactly once per optimizer step (also under gradient accumulation), before clipping and before
+    ``on_before_optimizer_step``. A step whose gradients hold inf or NaN is skipped, so parameters never take them,
+    and it is counted. The scaler's state is saved in checkpoints under the same key as
+    ``Trainer(precision="16-mixed")``, so either resumes the other.
+
+    Under the hood the callback installs Lightning's ``MixedPrecision`` precision plugin when the run is set up; do
+    not also pass ``precision=`` to the Trainer. Under ``ds_parameter_server`` workers push unscaled gradients and
+    an overflowing step pushes nothing. ``ds_pipeline`` runs in 32-bit and is refused.
+
+    Logged on fp16: ``precision/loss_scale`` and ``precision/skipped_steps``.
+
+    Args:
+        precision: ``"auto"``, ``"bf16"`` or ``"fp16"``.
+        init_scale: the fp16 loss scale to start from.
+        growth_factor: multiply the scale by this after ``growth_interval`` steps without overflow (> 1).
+        backoff_factor: multiply the scale by this after an overflow, in ``(0, 1)``.
+        growth_interval: overflow-free steps before the scale grows.
+
+    Raises:
+        ValueError: for an out-of-range option, naming the value and the fix.
+
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionName = "auto",
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
+        if precision not in ("auto", "bf16", "fp16"):
+            raise ValueError(f"precision={precision!r} is not supported; use 'auto', 'bf16' or 'fp16'.")
+        _check_range("init_scale", init_scale, 0, float("inf"), "> 0", "65536.0")
+        _check_range("growth_factor", growth_factor, 1, float("inf"), "> 1", "2.0")
+        _check_range("backoff_factor", backoff_factor, 0, 1, "in (0, 1)", "0.5")
+        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
+            raise ValueError(f"growth_interval={growth_interval!r} must be an int >= 1, e.g. 2000.")
+        self.precision = precision
+        self.init_scale = float(init_scale)
+        self.growth_factor = float(growth_factor)
+        self.backoff_factor = float(backoff_factor)
+        self.growth_interval = growth_interval
+        self.chosen: str | None = None  # "bf16" or "fp16", once the device is known
+        self.plugin: _AmpPlugin | None = None
+        self._restored_skipped = 0
+
+    @staticmethod
+    def resolve(precision: str, device: torch.device) -> str:
+        """What ``precision`` means on ``device``: ``"auto"`` is bf16 where supported, else fp16."""
+        if precision != "auto":
+            return precision
+        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            return "fp16"
+        return "bf16"
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because their gradients overflowed."""
+        return self.plugin.skipped_steps if self.plugin is not None else self._restored_skipped
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        from ds_lightning.strategies.pipeline import PipelineStrategy
+
+        strategy = trainer.strategy
+        if isinstance(strategy, PipelineStrategy):
+            raise MisconfigurationException(
+                "MixedPrecision cannot run under ds_pipeline, which runs its stages in 32-bit for now; remove the"
+                " callback, or use ds_mirrored or ds_model_parallel for mixed precision."
+            )
+        current = strategy.precision_plugin
+        if type(current) is not Precision and current is not self.plugin:  # ours stays after fit, for saving
+            raise MisconfigurationException(
+                f"MixedPrecision would replace the Trainer's {type(current).__name__} precision plugin; remove"
+                " `precision=` from the Trainer and let the callback choose."
+            )
+        device = strategy.root_device
+        self.chosen = self.resolve(self.precision, device)
+        scaler = None
+        if self.chosen == "fp16":
+            scaler = torch.amp.GradScaler(
+                device.type,
+                init_scale=self.init_scale,
+                growth_factor=self.growth_factor,
+                backoff_factor=self.backoff_factor,
+                growth_interval=self.growth_interval,
+            )
+        self.plugin = _AmpPlugin("16-mixed" if self.chosen == "fp16" else "bf16-mixed", device.type, scaler)
+        self._restored_skipped = 0  # a resumed run's count arrives through load_state_dict, after setup
+        strategy.precision_plugin = self.plugin
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        every = trainer.log_every_n_steps
+        plugin = self.plugin
+        if plugin is None or plugin.scaler is None or not every or trainer.global_step % every:
+            return
+        pl_module.log_dict(
+            {
+                "precision/loss_scale": float(plugin.scaler.get_scale()),
+                "precision/skipped_steps": float(self.skipped_steps),
+            },
+            on_step=True,
+            on_epoch=False,
+            batch_size=1,
+            sync_dist=False,  # gradients are all-reduced before the scaler looks: the same on every rank
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"skipped_steps": self.skipped_steps, "chosen": self.chosen}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._restored_skipped = int(state_dict.get("skipped_steps", 0))
+        if self.plugin is not None:
+            self.plugin.skipped_steps = self._restored_skipped

@@ -1,0 +1,33 @@
+"""All four callbacks together from one YAML under ds_mirrored: they compose and the model still learns."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+
+
+def test_the_callbacks_example_trains_with_all_four_live(tmp_path):
+    """Also the check that bf16 autocast on CPU trains the digits to accuracy: the example uses bf16."""
+    report, out = tmp_path / "report.json", tmp_path / "steps"
+    ds_train(
+        [
+            "fit",
+            f"--config={CONFIGS / 'callbacks.yaml'}",
+            *quiet_trainer_args(tmp_path),
+            "--trainer.callbacks+=ds_lightning.demos.TrainingReport",
+            f"--trainer.callbacks.output_json={report}",
+            "--trainer.callbacks+=tests.helpers.callbacks.RecordSteps",
+            f"--trainer.callbacks.path={out}",
+        ]
+    )
+    assert json.loads(report.read_text())["val_acc"] >= 0.9
+    records = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
+    for record in records:
+        assert record["accumulate_grad_batches"] == 2  # 128 / the balancer's 64
+        # The LR the optimizer applied: 0.05 x sqrt(128 / 32), warmed up over 10 steps from 0.1 of it.
+        first_step_lr, last_lr = record["lrs"][0][1], record["lrs"][-1][1]
+        assert abs(first_step_lr - 0.01) < 1e-9 and abs(last_lr - 0.1) < 1e-9
+    totals = [a + b for a, b in zip(records[0]["batch_sizes"], records[1]["batch_sizes"], strict=True)]
+    assert max(totals) == 64  # the balancer sized every micro-batch from its global batch
