@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ds_lightning-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench bench-pipeline bench-ps clean
+.PHONY: setup demo test lint bench bench-pipeline bench-ps bench-balance bench-precision clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,12 @@ bench-pipeline: setup
 
 bench-ps: setup
 	$(PY) benchmarks/parameter_server.py
+
+bench-balance: setup
+	$(PY) benchmarks/load_balance.py
+
+bench-precision: setup
+	$(PY) benchmarks/precision.py
 
 clean:
 	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache

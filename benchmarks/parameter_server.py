@@ -28,18 +28,15 @@ Writes ``parameter_server.json``, ``parameter_server.md`` and ``parameter_server
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import socket
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import package_state, run_detached, spread, worker_env
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -79,29 +76,6 @@ LABELS = {
 # --- launching --------------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK", "TF_CONFIG", "PL_GLOBAL_SEED"):
-        env.pop(var, None)
-    for var in ("DS_PS_SERVER", "DS_PS_SERVERS_STARTED"):
-        env.pop(var, None)
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-        PYTHONWARNINGS="ignore",
-    )
-    return env
-
-
 def run_once(config: dict[str, Any], delay_per_sample: float, opts: argparse.Namespace) -> dict[str, Any]:
     """One launch (2 workers, and 1 server under ds_parameter_server); the workers' records merged, or an error."""
     with tempfile.TemporaryDirectory(prefix="ds-ps-bench-") as tmp:
@@ -125,24 +99,7 @@ def run_once(config: dict[str, Any], delay_per_sample: float, opts: argparse.Nam
         spec_path.write_text(json.dumps(spec))
         log_path = Path(tmp) / "log.txt"
         start = time.monotonic()
-        with log_path.open("w") as log:
-            # A session of its own, so a hang is ended by killing exactly the processes this launch started.
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKER), str(spec_path)],
-                cwd=tmp,
-                env=_env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                rc: Any = proc.wait(timeout=opts.timeout)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # stragglers of this launch only (its process group)
-                proc.wait()
+        rc: Any = run_detached(WORKER, spec_path, tmp, log_path, opts.timeout, worker_env())
         seconds = time.monotonic() - start
         tail = log_path.read_text(errors="replace")[-3000:]
         ranks = {}
@@ -229,12 +186,6 @@ def run_all(opts: argparse.Namespace) -> dict[str, Any]:
 
 
 # --- statistics -------------------------------------------------------------------------------------------------------
-
-
-def spread(values: list[float]) -> dict[str, Any] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
 def paired(a: list[dict[str, Any]], b: list[dict[str, Any]], key: str, op: Any) -> dict[str, Any] | None:
@@ -460,21 +411,6 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 # --- main -------------------------------------------------------------------------------------------------------------
-
-
-def package_state() -> dict[str, Any]:
-    """The commit measured, and whether the package had uncommitted changes (results describe the working tree)."""
-
-    def git(*args: str) -> str:
-        try:
-            return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=30).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    return {
-        "commit": git("rev-parse", "HEAD"),
-        "uncommitted": git("status", "--short", "--", "ds_lightning").splitlines(),
-    }
 
 
 def main() -> None:

@@ -24,15 +24,15 @@ import contextlib
 import json
 import os
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _launch import run_detached, spread, worker_env
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -53,29 +53,8 @@ TARGET = 1.05
 # --- launching --------------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def config_key(impl: str, p: int, schedule: str, m: int) -> str:
     return f"{impl}|p{p}|{schedule}|m{m}"
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK", "TF_CONFIG", "PL_GLOBAL_SEED"):
-        env.pop(var, None)
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-        PYTHONWARNINGS="ignore",
-    )
-    return env
 
 
 def _merge(lines: list[dict[str, Any]], procs: int) -> dict[str, dict[str, Any]]:
@@ -113,24 +92,7 @@ def launch_once(impl: str, p: int, configs: list[dict[str, Any]], opts: argparse
         spec_path = Path(tmp) / "spec.json"
         spec_path.write_text(json.dumps(spec))
         log_path = Path(tmp) / "log.txt"
-        with log_path.open("w") as log:
-            # A session of its own, so a hang is ended by killing exactly the processes this launch started.
-            proc = subprocess.Popen(
-                [sys.executable, str(WORKER), str(spec_path)],
-                cwd=tmp,
-                env=_env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                rc: Any = proc.wait(timeout=opts.timeout)
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
-            finally:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)  # stragglers of this launch only (its process group)
-                proc.wait()
+        rc: Any = run_detached(WORKER, spec_path, tmp, log_path, opts.timeout, worker_env())
         tail = log_path.read_text(errors="replace")[-3000:]
         lines = []
         for path in sorted(records.glob("rank*.jsonl")):
@@ -163,12 +125,6 @@ def launch(impl: str, p: int, configs: list[dict[str, Any]], opts: argparse.Name
 
 
 # --- statistics -------------------------------------------------------------------------------------------------------
-
-
-def spread(values: list[float]) -> dict[str, Any] | None:
-    if not values:
-        return None
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
 def bubble(spans: list[list[Any]]) -> float | None:

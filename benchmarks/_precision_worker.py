@@ -1,0 +1,160 @@
+"""One precision-benchmark run: the digits classifier in one process, in fp32 or under ``MixedPrecision``.
+
+Started by ``benchmarks/precision.py`` with a JSON spec, in a fresh process per run so that the peak resident set size
+belongs to this run alone. Writes one JSON: every step's time (batch start to batch end: forward, backward and
+optimizer step), the peak memory (on CPU the growth of the process's peak RSS over ``fit``; on CUDA the peak of
+``torch.cuda.max_memory_allocated`` during ``fit``), the bytes autograd saved for backward per step (counted with
+saved-tensor hooks: the activations, and apart from them autocast's low-precision weight copies; parameters excluded)
+and the training loss per step.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from ds_lightning.callbacks import MixedPrecision
+from ds_lightning.demos import DigitsClassifier, DigitsDataModule
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) if sys.platform == "darwin" else int(peak) * 1024
+
+
+_VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0", "AliasBackward0"}
+
+
+def is_weight_copy(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is (a view of) autocast's low-precision copy of a parameter: a cast straight from a leaf."""
+    fn = tensor.grad_fn
+    for _ in range(4):
+        if fn is None:
+            return False
+        name = type(fn).__name__
+        if name == "ToCopyBackward0":
+            return any(n is not None and type(n).__name__ == "AccumulateGrad" for n, _ in fn.next_functions)
+        if name not in _VIEWS:
+            return False
+        fn = fn.next_functions[0][0]
+    return False
+
+
+class CountingClassifier(DigitsClassifier):
+    """The digits classifier; counts the bytes its ``training_step`` saves for backward (each storage once).
+
+    Parameters are left out (fp32 keeps them anyway); autocast's low-precision copies of the weights, which fp32 does
+    not need, are counted apart from the activations.
+    """
+
+    activation_bytes: list[int]
+    weight_copy_bytes: list[int]
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        params = {p.untyped_storage().data_ptr() for p in self.parameters()}
+        activations: dict[int, int] = {}
+        copies: dict[int, int] = {}
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            storage = tensor.untyped_storage()
+            if storage.data_ptr() not in params:
+                (copies if is_weight_copy(tensor) else activations)[storage.data_ptr()] = storage.nbytes()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            loss = super().training_step(batch, batch_idx)
+        self.activation_bytes.append(sum(activations.values()))
+        self.weight_copy_bytes.append(sum(copies.values()))
+        return loss
+
+
+class StepClock(Callback):
+    """Times every step and keeps its loss."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+        self.step_s: list[float] = []
+        self.loss: list[float] = []
+        self._start = 0.0
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._sync()
+        self.step_s.append(time.perf_counter() - self._start)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.loss.append(float(loss))
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(spec["threads"])
+    pl.seed_everything(0, verbose=False)
+    cuda = spec["accelerator"] == "cuda"
+    data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
+    data.setup("fit")
+    assert data.train_set is not None
+    loader = DataLoader(data.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
+    model = CountingClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"])
+    model.activation_bytes, model.weight_copy_bytes = [], []
+    clock = StepClock(cuda)
+    callbacks: list[Callback] = [clock]
+    if spec["precision"] != "fp32":
+        callbacks.append(MixedPrecision(spec["precision"]))
+    trainer = pl.Trainer(
+        accelerator=spec["accelerator"],
+        devices=1,
+        max_steps=spec["warmup"] + spec["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        callbacks=callbacks,
+    )
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    rss_before = peak_rss_bytes()
+    cuda_before = torch.cuda.memory_allocated() if cuda else 0
+    trainer.fit(model, train_dataloaders=loader)
+    rss_after = peak_rss_bytes()
+    out: dict[str, Any] = {
+        "precision": spec["precision"],
+        "chosen": next((c.chosen for c in callbacks if isinstance(c, MixedPrecision)), "fp32"),
+        "accelerator": spec["accelerator"],
+        "step_ms": [1000 * t for t in clock.step_s],
+        "loss": clock.loss,
+        "activation_bytes": model.activation_bytes,
+        "weight_copy_bytes": model.weight_copy_bytes,
+        "peak_rss_before_bytes": rss_before,
+        "peak_rss_after_bytes": rss_after,
+        "peak_rss_delta_bytes": rss_after - rss_before,
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+    if cuda:
+        out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        out["cuda_allocated_before_bytes"] = cuda_before
+    Path(spec["out"]).write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
