@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -20,6 +21,9 @@ def test_the_callbacks_example_trains_with_all_four_live(tmp_path):
             f"--trainer.callbacks.output_json={report}",
             "--trainer.callbacks+=tests.helpers.callbacks.RecordSteps",
             f"--trainer.callbacks.path={out}",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path / 'logs'}",
+            "--trainer.log_every_n_steps=1",
         ]
     )
     assert json.loads(report.read_text())["val_acc"] >= 0.9
@@ -31,3 +35,9 @@ def test_the_callbacks_example_trains_with_all_four_live(tmp_path):
         assert abs(first_step_lr - 0.01) < 1e-9 and abs(last_lr - 0.1) < 1e-9
     totals = [a + b for a, b in zip(records[0]["batch_sizes"], records[1]["batch_sizes"], strict=True)]
     assert max(totals) == 64  # the balancer sized every micro-batch from its global batch
+    # What the callbacks log: the effective batch (2 micro-steps of the balancer's 64), the factor and the applied LR.
+    rows = list(csv.DictReader(next((tmp_path / "logs").rglob("metrics.csv")).open()))
+    scaling = [r for r in rows if r.get("lr_scaling/lr")]
+    assert scaling and {float(r["lr_scaling/effective_batch_size"]) for r in scaling} == {128.0}
+    assert {float(r["lr_scaling/factor"]) for r in scaling} == {2.0}
+    assert any(r.get("balance/share_rank0") for r in rows)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -144,13 +145,22 @@ def test_shares_move_to_the_fast_rank_and_step_counts_stay_equal(tmp_path):
     steps = 40
     out = tmp_path / "run"
     ds_train(
-        _args(
-            tmp_path,
-            out,
-            ["--trainer.callbacks.global_batch_size=64", "--trainer.callbacks.interval=5"],
-            ["--model.slow_rank=1", "--model.delay_ms=0.5"],  # about 16 ms more per even step on rank 1
-            steps,
-        )
+        [
+            *_args(
+                tmp_path,
+                out,
+                ["--trainer.callbacks.global_batch_size=64", "--trainer.callbacks.interval=5"],
+                ["--model.slow_rank=1", "--model.delay_ms=0.5"],  # about 16 ms more per even step on rank 1
+                steps,
+            ),
+            # The weighting composes with compression (both live in the one comm hook).
+            "--trainer.strategy=ds_lightning.strategies.MirroredStrategy",
+            "--trainer.strategy.gradient_compression=fp16",
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path / 'logs'}",
+            "--trainer.log_every_n_steps=1",
+            "--trainer.enable_checkpointing=true",
+        ]
     )
     records = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
     assert records[0]["global_step"] == records[1]["global_step"] == steps
@@ -162,6 +172,24 @@ def test_shares_move_to_the_fast_rank_and_step_counts_stay_equal(tmp_path):
     assert totals == ([64] * per_epoch + [rest]) * (steps // (per_epoch + 1)) + [64] * (steps % (per_epoch + 1))
     assert records[0]["batch_sizes"][0] == 32  # even at the start
     assert records[0]["batch_sizes"][-1] >= 44, records[0]["batch_sizes"]  # most of the batch went to the fast rank
+    assert records[0]["sync_rounds"] == steps  # fp16's hook ran every step
+
+    # Logged every interval, the same on every rank: the shares the plan chose and each rank's throughput.
+    rows = [
+        r for r in csv.DictReader(next((tmp_path / "logs").rglob("metrics.csv")).open()) if r.get("balance/share_rank0")
+    ]
+    assert rows and int(rows[0]["step"]) >= 4  # nothing before the first re-division, after batch 5
+    last = rows[-1]
+    assert float(last["balance/share_rank0"]) + float(last["balance/share_rank1"]) == pytest.approx(1.0)
+    assert float(last["balance/throughput_rank0"]) > float(last["balance/throughput_rank1"]) > 0
+
+    # The checkpoint carries the plan, so a resumed run starts from the shares it had reached.
+    checkpoint = torch.load(next((tmp_path / "logs").rglob("*.ckpt")), weights_only=False)
+    state = next(v for k, v in checkpoint["callbacks"].items() if k.startswith("DynamicLoadBalancer"))
+    assert state["batches"] == steps
+    in_force = [sizes for start, sizes in state["plan"]["changes"] if start <= steps - 1][-1]
+    assert in_force == [records[0]["batch_sizes"][-1], records[1]["batch_sizes"][-1]]
+    assert len(state["plan"]["estimate"]) == 2
 
 
 @pytest.mark.parametrize(

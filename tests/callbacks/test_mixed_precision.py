@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ds_lightning.callbacks import MixedPrecision
@@ -57,11 +59,11 @@ class _Snapshots(Callback):
 
 
 def _trainer(tmp_path: Path, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
+    kwargs.setdefault("logger", False)
     return pl.Trainer(
         accelerator="cpu",
         devices=1,
         callbacks=callbacks,
-        logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -73,7 +75,8 @@ def _trainer(tmp_path: Path, callbacks: list[Callback], **kwargs: Any) -> pl.Tra
 def test_fp16_overflow_skips_that_step_counts_it_backs_off_and_keeps_parameters_finite(tmp_path):
     amp = MixedPrecision("fp16", init_scale=1024.0, growth_interval=1000)
     snapshots = _Snapshots()
-    trainer = _trainer(tmp_path, [amp, snapshots], max_steps=5)
+    logger = CSVLogger(tmp_path / "logs")
+    trainer = _trainer(tmp_path, [amp, snapshots], max_steps=5, logger=logger, log_every_n_steps=1)
     trainer.fit(OverflowingModule(inf_at_step=2), TinyData(n=64, batch_size=8))
     assert amp.chosen == "fp16"
     assert amp.skipped_steps == 1
@@ -85,6 +88,11 @@ def test_fp16_overflow_skips_that_step_counts_it_backs_off_and_keeps_parameters_
             moved = not torch.equal(before[name], after[name])
             assert moved == (index != 2), (index, name)  # only the overflowing step left parameters alone
     assert amp.state_dict()["skipped_steps"] == 1
+    lines = Path(logger.log_dir, "metrics.csv").read_text().splitlines()
+    rows = [r for r in csv.DictReader(lines) if r.get("precision/loss_scale")]
+    # Logged after every step: the third step overflows, so from there the scale is halved and one step skipped.
+    assert [float(r["precision/loss_scale"]) for r in rows] == [1024.0, 1024.0, 512.0, 512.0, 512.0]
+    assert [float(r["precision/skipped_steps"]) for r in rows] == [0.0, 0.0, 1.0, 1.0, 1.0]
 
 
 def test_scaler_state_and_skip_count_round_trip_through_a_checkpoint(tmp_path):
