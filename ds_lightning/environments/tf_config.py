@@ -166,6 +166,11 @@ class TFConfig:
         return self.training_tasks.index((self.task_type, self.task_index))
 
     @property
+    def own_address(self) -> tuple[str, int]:
+        """``(host, port)`` of this process's own task in the cluster spec."""
+        return self.cluster[self.task_type][self.task_index]
+
+    @property
     def main_address(self) -> tuple[str, int]:
         """``(host, port)`` of the first training task (the chief if there is one), where rendezvous happens."""
         job, index = self.training_tasks[0]

@@ -9,6 +9,7 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import _destroy_dist_connection
 
+from ds_lightning.environments._interfaces import pin_socket_interfaces
 from ds_lightning.environments.tf_config import TFConfigEnvironment, TFConfigError
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
@@ -87,3 +88,13 @@ def destroy_process_group_at_exit(backend: str) -> None:
     if not _EXIT_HOOK_REGISTERED and backend != "nccl":
         atexit.register(_destroy_dist_connection)
         _EXIT_HOOK_REGISTERED = True
+
+
+def pin_interfaces(env: ClusterEnvironment | None) -> str | None:
+    """Under ``TF_CONFIG``, make gloo and NCCL use the interface that holds this task's address.
+
+    See :func:`~ds_lightning.environments._interfaces.pin_socket_interfaces`; call before the process group starts.
+    """
+    if not isinstance(env, TFConfigEnvironment):
+        return None
+    return pin_socket_interfaces(env.config.own_address[0])

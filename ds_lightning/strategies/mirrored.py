@@ -27,6 +27,7 @@ from ds_lightning.strategies._cluster import (
     adopt_tf_config,
     check_launch_options,
     destroy_process_group_at_exit,
+    pin_interfaces,
 )
 from ds_lightning.strategies._even_batches import even_batches
 from ds_lightning.strategies._registration import register_start_methods
@@ -150,6 +151,7 @@ class MirroredStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        pin_interfaces(self.cluster_environment)
         super().setup_environment()
         destroy_process_group_at_exit(self._get_process_group_backend())
 

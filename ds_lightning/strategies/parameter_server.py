@@ -30,6 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ds_lightning.environments._interfaces import pin_socket_interfaces
 from ds_lightning.environments.tf_config import TFConfig, TFConfigEnvironment, TFConfigError
 from ds_lightning.ps.client import PullResult, ServerClient
 from ds_lightning.ps.optimizer_shard import (
@@ -353,6 +354,8 @@ class ParameterServerStrategy(DDPStrategy):
         if self.is_server:
             self._connect_servers()
             return
+        if self._tf is not None:
+            pin_socket_interfaces(self._own_host())
         super().setup_environment()
         destroy_process_group_at_exit(self._get_process_group_backend())
         if self._fitting:

@@ -41,6 +41,7 @@ from ds_lightning.strategies._cluster import (
     adopt_tf_config,
     check_launch_options,
     destroy_process_group_at_exit,
+    pin_interfaces,
 )
 from ds_lightning.strategies._pipe_module import PipelinedSequential, StageModule, TracedStage
 from ds_lightning.strategies._registration import register_start_methods
@@ -307,6 +308,7 @@ class PipelineStrategy(DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
+        pin_interfaces(self.cluster_environment)
         super().setup_environment()
         destroy_process_group_at_exit(self._get_process_group_backend())
         layout = self.layout
