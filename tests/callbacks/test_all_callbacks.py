@@ -6,7 +6,12 @@ import csv
 import json
 from pathlib import Path
 
+from ds_lightning.callbacks import GradientAccumulation, LRScaling, MixedPrecision
+from ds_lightning.demos import DigitsClassifier, DigitsDataModule
+from ds_lightning.strategies import ModelParallelStrategy
+from tests.helpers.callbacks import RecordSteps
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.trainers import quiet_trainer
 
 
 def test_the_callbacks_example_trains_with_all_four_live(tmp_path):
@@ -41,3 +46,16 @@ def test_the_callbacks_example_trains_with_all_four_live(tmp_path):
     assert scaling and {float(r["lr_scaling/effective_batch_size"]) for r in scaling} == {128.0}
     assert {float(r["lr_scaling/factor"]) for r in scaling} == {2.0}
     assert any(r.get("balance/share_rank0") for r in rows)
+
+
+def test_accumulation_mixed_precision_and_lr_scaling_run_under_ds_model_parallel(tmp_path):
+    out = tmp_path / "steps"
+    amp = MixedPrecision("bf16")
+    callbacks = [GradientAccumulation(steps=2), amp, LRScaling(base_batch_size=4), RecordSteps(str(out))]
+    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=2)
+    trainer = quiet_trainer(tmp_path, callbacks, strategy=strategy, max_steps=2, limit_val_batches=0)
+    trainer.fit(DigitsClassifier(hidden_sizes=(32,), lr=0.05), DigitsDataModule(batch_size=8))
+    record = json.loads(Path(f"{out}.rank0.json").read_text())
+    assert record["global_step"] == 2 and record["micro_batches"] == 4
+    assert [round(lr, 9) for _, lr in record["lrs"]] == [0.2, 0.2]  # 0.05 x (8 x 1 process x 2) / 4
+    assert trainer.precision_plugin is amp.plugin and amp.chosen == "bf16"

@@ -16,6 +16,7 @@ from ds_lightning.callbacks import GradientAccumulation
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from tests.helpers.models import TinyData, TinyModule
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.trainers import quiet_trainer
 
 MIRRORED = CONFIGS / "mirrored.yaml"
 
@@ -43,18 +44,7 @@ def test_schedule_changes_the_value_from_its_epoch_on():
 
 
 def _fit_tiny(callback: GradientAccumulation, tmp_path: Path, **trainer_kwargs) -> pl.Trainer:
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **trainer_kwargs,
-    )
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=1, **trainer_kwargs)
     trainer.fit(TinyModule(), TinyData(n=64, batch_size=8))
     return trainer
 

@@ -19,6 +19,7 @@ from ds_lightning.callbacks._share_sampler import ShareBatchSampler
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from tests.helpers.models import TinyData, TinyModule
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.trainers import quiet_trainer
 
 MIRRORED = CONFIGS / "mirrored.yaml"
 
@@ -209,16 +210,7 @@ def test_other_strategies_refuse_the_balancer_with_the_reason(strategy, message)
 
 def test_one_process_leaves_the_balancer_idle(tmp_path):
     balancer = DynamicLoadBalancer(global_batch_size=16)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_steps=2,
-        callbacks=[balancer],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        default_root_dir=tmp_path,
-    )
+    trainer = quiet_trainer(tmp_path, [balancer], max_steps=2)
     with pytest.warns(UserWarning, match="one data-parallel process to balance"):
         trainer.fit(TinyModule(), TinyData())
     assert balancer.plan is None and trainer.global_step == 2

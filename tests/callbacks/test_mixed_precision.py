@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ds_lightning.callbacks import MixedPrecision
 from tests.helpers.models import OverflowingModule, TinyData, TinyModule
+from tests.helpers.trainers import quiet_trainer
 
 
 @pytest.mark.parametrize(
@@ -58,25 +59,11 @@ class _Snapshots(Callback):
         self.after.append({k: v.detach().clone() for k, v in pl_module.named_parameters()})
 
 
-def _trainer(tmp_path: Path, callbacks: list[Callback], **kwargs: Any) -> pl.Trainer:
-    kwargs.setdefault("logger", False)
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        **kwargs,
-    )
-
-
 def test_fp16_overflow_skips_that_step_counts_it_backs_off_and_keeps_parameters_finite(tmp_path):
     amp = MixedPrecision("fp16", init_scale=1024.0, growth_interval=1000)
     snapshots = _Snapshots()
     logger = CSVLogger(tmp_path / "logs")
-    trainer = _trainer(tmp_path, [amp, snapshots], max_steps=5, logger=logger, log_every_n_steps=1)
+    trainer = quiet_trainer(tmp_path, [amp, snapshots], max_steps=5, logger=logger, log_every_n_steps=1)
     trainer.fit(OverflowingModule(inf_at_step=2), TinyData(n=64, batch_size=8))
     assert amp.chosen == "fp16"
     assert amp.skipped_steps == 1
@@ -97,7 +84,7 @@ def test_fp16_overflow_skips_that_step_counts_it_backs_off_and_keeps_parameters_
 
 def test_scaler_state_and_skip_count_round_trip_through_a_checkpoint(tmp_path):
     amp = MixedPrecision("fp16", init_scale=8.0, growth_interval=1)  # the scale doubles every clean step
-    first = _trainer(tmp_path, [amp], max_steps=4)
+    first = quiet_trainer(tmp_path, [amp], max_steps=4)
     first.fit(OverflowingModule(inf_at_step=1), TinyData(n=64, batch_size=8))
     path = tmp_path / "amp.ckpt"
     first.save_checkpoint(path)
@@ -106,14 +93,14 @@ def test_scaler_state_and_skip_count_round_trip_through_a_checkpoint(tmp_path):
     assert saved_scale == 8.0 * 2 * 0.5 * 2 * 2  # grow, back off at step 1, grow, grow
     amp_again = MixedPrecision("fp16", init_scale=8.0, growth_interval=1)
     snapshots = _Snapshots()
-    second = _trainer(tmp_path, [amp_again, snapshots], max_steps=5)
+    second = quiet_trainer(tmp_path, [amp_again, snapshots], max_steps=5)
     second.fit(OverflowingModule(inf_at_step=99), TinyData(n=64, batch_size=8), ckpt_path=path)
     assert snapshots.scale_at_start == saved_scale
     assert amp_again.skipped_steps == 1  # carried over from the first run
 
 
 def test_a_trainer_precision_flag_is_refused_as_a_conflict(tmp_path):
-    trainer = _trainer(tmp_path, [MixedPrecision("bf16")], max_steps=1, precision="bf16-mixed")
+    trainer = quiet_trainer(tmp_path, [MixedPrecision("bf16")], max_steps=1, precision="bf16-mixed")
     with pytest.raises(MisconfigurationException, match="remove `precision=` from the Trainer"):
         trainer.fit(TinyModule(), TinyData())
 
