@@ -31,6 +31,7 @@ from ds_lightning.strategies._cluster import (
 )
 from ds_lightning.strategies._even_batches import even_batches
 from ds_lightning.strategies._registration import register_start_methods
+from ds_lightning.strategies._rendezvous import setup_distributed
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,10 @@ class MirroredStrategy(DDPStrategy):
     # --- cluster: TF_CONFIG ---------------------------------------------------------------------------------------
 
     @override
+    def setup_distributed(self) -> None:
+        setup_distributed(self)  # rank 0's rendezvous store listens on the main address only
+
+    @override
     def setup_environment(self) -> None:
         pin_interfaces(self.cluster_environment)
         super().setup_environment()
@@ -257,9 +262,9 @@ class MirroredStrategy(DDPStrategy):
             seconds = self._timeout.total_seconds() if self._timeout is not None else float("nan")
             log.error(
                 "ds_mirrored: a collective failed on rank %d (timeout %.0f s): another rank stopped taking part, e.g."
-                " it ran out of data (keep even_batches=True), raised an exception, was killed, or reached a"
-                " collective (self.log(sync_dist=True), a barrier) that the others skipped. Raise `timeout` only if"
-                " a step is genuinely that slow.",
+                " it ran out of data (keep even_batches=True), raised an exception, was killed, lost its network link,"
+                " or reached a collective (self.log(sync_dist=True), a barrier) that the others skipped. Raise"
+                " `timeout` only if a step is genuinely that slow.",
                 self.global_rank,
                 seconds,
             )

@@ -45,6 +45,7 @@ from ds_lightning.strategies._cluster import (
 )
 from ds_lightning.strategies._pipe_module import PipelinedSequential, StageModule, TracedStage
 from ds_lightning.strategies._registration import register_start_methods
+from ds_lightning.strategies._rendezvous import setup_distributed
 
 log = logging.getLogger(__name__)
 
@@ -305,6 +306,10 @@ class PipelineStrategy(DDPStrategy):
         super().set_world_ranks()
         self._layout = None
         _ = self.layout  # validate stages x replicas = world size before any process starts
+
+    @override
+    def setup_distributed(self) -> None:
+        setup_distributed(self)  # rank 0's rendezvous store listens on the main address only
 
     @override
     def setup_environment(self) -> None:
