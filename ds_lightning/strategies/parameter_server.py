@@ -44,6 +44,7 @@ from ds_lightning.ps.server import ParameterServer, SchedulerSlot, _jsonable
 from ds_lightning.ps.sharding import ShardPlan, plan_shards
 from ds_lightning.strategies._cluster import check_launch_options, destroy_process_group_at_exit
 from ds_lightning.strategies._ps_launchers import SERVER_ENV, ServerLauncher, ServingFinished, WorkerLauncher
+from ds_lightning.strategies._rendezvous import setup_distributed
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +351,10 @@ class ParameterServerStrategy(DDPStrategy):
         self._pg = made["pg"]
 
     @override
+    def setup_distributed(self) -> None:
+        setup_distributed(self)  # rank 0's rendezvous store listens on the main address only
+
+    @override
     def setup_environment(self) -> None:
         if self.is_server:
             self._connect_servers()
@@ -397,6 +402,8 @@ class ParameterServerStrategy(DDPStrategy):
             )
         if self.max_updates is not None:
             self._keep_metrics_local()
+        else:
+            self._route_metric_syncs()
         epoch_loop = trainer.fit_loop.epoch_loop
         if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
             # Lightning 2.6 broadcasts rank 0's SIGTERM flag before every training step, a per-step collective that
@@ -414,6 +421,24 @@ class ParameterServerStrategy(DDPStrategy):
                 f"ds_parameter_server: {self.num_workers} worker(s), {self.num_servers} server(s) holding {sizes};"
                 f" max_staleness={self.max_staleness}, compression={self.compression}, push_every={self.push_every}"
             )
+
+    def _route_metric_syncs(self) -> None:
+        """Route torchmetrics' state gathering, which spans the whole world, through the live workers only.
+
+        Otherwise a metric's ``compute()`` after a worker was lost waits on the lost one and fails the chief.
+        """
+        from torchmetrics import Metric
+        from torchmetrics.utilities.distributed import gather_all_tensors
+
+        def gather(tensor: Tensor, group: Any | None = None) -> list[Tensor]:
+            if group is not None:
+                return gather_all_tensors(tensor, group=group)
+            return self._collective(lambda g: gather_all_tensors(tensor, group=g), lambda: [tensor])
+
+        assert self.lightning_module is not None
+        for module in self.lightning_module.modules():
+            if isinstance(module, Metric) and module.dist_sync_fn is None and module.process_group is None:
+                module.dist_sync_fn = gather  # a user's own sync function or group is left alone
 
     def _keep_metrics_local(self) -> None:
         """Under an update budget workers end at different epochs; torchmetrics would all-gather across them."""

@@ -634,6 +634,16 @@ class Cluster:
         except subprocess.TimeoutExpired:
             return False
 
+    def pids(self, host: Host) -> list[int]:
+        """Process ids of everything running inside the host's namespace (``ip netns pids``)."""
+        self._live(host)
+        return [int(tok) for tok in _ip("netns", "pids", host.name, check=False).stdout.split() if tok.isdigit()]
+
+    def kill(self, host: Host) -> None:
+        """SIGKILLs every process inside the host's namespace, as if the machine lost power (its link stays up)."""
+        self._live(host)
+        self._kill_namespace_pids(host.name)
+
     def listening(self, host: Host) -> list[tuple[str, int, str]]:
         """TCP listeners inside the host's namespace.
 

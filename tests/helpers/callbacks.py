@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -116,3 +118,20 @@ class RecordSteps(Callback):
             "batch_sizes": self.batch_sizes,
         }
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class Heartbeat(Callback):
+    """Every rank writes its global step to ``{path}.rank{R}`` after each batch, then sleeps ``delay_s``.
+
+    Lets a test act at a known point of a run (cut a link after step 5) and stretches training to outlast the action.
+    """
+
+    def __init__(self, path: str, delay_s: float = 0.0) -> None:
+        self.path = path
+        self.delay_s = delay_s
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        target = f"{self.path}.rank{trainer.global_rank}"
+        Path(f"{target}.tmp").write_text(str(trainer.global_step))
+        os.replace(f"{target}.tmp", target)  # readers never see a half-written number
+        time.sleep(self.delay_s)

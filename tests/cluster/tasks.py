@@ -1,0 +1,159 @@
+"""Cluster tasks for the multi-host tests: one ``ds-train`` per TF_CONFIG task, each inside its own namespace host.
+
+Nothing here sets ``GLOO_SOCKET_IFNAME``, ``MASTER_ADDR`` or ``MASTER_PORT``: inside a namespace gloo would otherwise
+bind to 127.0.0.1 and the other hosts' connections would be refused, so a run passes only if the pack picks the
+interface holding the task's address from TF_CONFIG.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tests.cluster.netns import Cluster, Host
+from tests.helpers.runner import CONFIGS, REPO, free_port, quiet_trainer_args, worker_env
+
+RUN_TIMEOUT = 240.0
+
+
+@dataclass
+class Task:
+    """One started TF_CONFIG task."""
+
+    role: str
+    index: int
+    host: Host
+    proc: subprocess.Popen[Any]
+    log: Path
+
+    @property
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def __str__(self) -> str:
+        return f"{self.role} {self.index} on {self.host.address}"
+
+
+def fit_args(config: str, root: Path, *extra: str) -> list[str]:
+    """``ds-train fit`` of an example config, one process per task, quiet, its TrainingReport to root/report.json."""
+    return [
+        "fit",
+        f"--config={CONFIGS / config}",
+        *quiet_trainer_args(root),
+        "--trainer.devices=1",
+        f"--trainer.callbacks.output_json={root / 'report.json'}",
+        *extra,
+    ]
+
+
+def cluster_spec(jobs: dict[str, list[Host]]) -> dict[str, list[str]]:
+    """TF_CONFIG's ``cluster``: every task at its host's address, all on one port (free on loopback, so in every
+    namespace too: each has its own ports)."""
+    port = free_port()
+    return {job: [f"{host.address}:{port}" for host in hosts] for job, hosts in jobs.items()}
+
+
+def start(spec: dict[str, list[str]], role: str, index: int, host: Host, args: list[str], logs: Path) -> Task:
+    env = worker_env(TF_CONFIG=json.dumps({"cluster": spec, "task": {"type": role, "index": index}}))
+    for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(variable, None)
+    log = logs / f"{role}{index}.log"
+    with log.open("w") as out:
+        proc = host.run([sys.executable, "-m", "ds_lightning.cli", *args], cwd=REPO, env=env, stdout=out, stderr=out)
+    return Task(role, index, host, proc, log)
+
+
+def start_all(spec: dict[str, list[str]], hosts: dict[str, list[Host]], args: list[str], logs: Path) -> list[Task]:
+    """Starts every task of ``spec`` (servers first, as an operator would) with the same arguments."""
+    order = sorted(spec, key=lambda job: job != "ps")
+    logs.mkdir(parents=True, exist_ok=True)
+    return [start(spec, job, i, host, args, logs) for job in order for i, host in enumerate(hosts[job])]
+
+
+def wait(tasks: list[Task], timeout: float = RUN_TIMEOUT) -> float:
+    """Waits for every task (killing any still alive after ``timeout`` seconds); returns the seconds waited."""
+    begin = time.monotonic()
+    for task in tasks:
+        try:
+            task.proc.wait(timeout=max(0.1, timeout - (time.monotonic() - begin)))
+        except subprocess.TimeoutExpired:
+            task.proc.kill()
+            task.proc.wait()
+    return time.monotonic() - begin
+
+
+def assert_succeeded(tasks: list[Task]) -> None:
+    for task in tasks:
+        assert task.proc.returncode == 0, f"{task} exited with {task.proc.returncode}:\n{task.output[-5000:]}"
+
+
+def step_of(heartbeat: Path, rank: int) -> int:
+    """The last global step rank ``rank``'s Heartbeat callback wrote, or -1 before its first batch."""
+    path = Path(f"{heartbeat}.rank{rank}")
+    return int(path.read_text()) if path.exists() else -1
+
+
+def wait_for_step(heartbeat: Path, rank: int, step: int, tasks: list[Task], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while step_of(heartbeat, rank) < step:
+        dead = [t for t in tasks if t.proc.poll() is not None]
+        assert not dead, f"{dead[0]} exited with {dead[0].proc.returncode} early:\n{dead[0].output[-4000:]}"
+        assert time.monotonic() < deadline, f"rank {rank} did not reach step {step} in {timeout} s"
+        time.sleep(0.1)
+
+
+class ListenerWatch:
+    """Polls every host's listening TCP sockets (``ss -ltnp`` in its namespace) while a run goes on.
+
+    ``seen[host.name]`` collects ``(address, port, process)`` of every listener observed at any poll.
+    """
+
+    def __init__(self, cluster: Cluster, interval: float = 0.2) -> None:
+        self.cluster = cluster
+        self.interval = interval
+        self.seen: dict[str, set[tuple[str, int, str]]] = {host.name: set() for host in cluster.hosts}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True, name="listener-watch")
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            for host in self.cluster.hosts:
+                try:
+                    found = self.cluster.listening(host)
+                except Exception:  # a poll racing teardown; the next one counts
+                    continue
+                # The process text carries the fd, which differs per socket; keep just the program name.
+                self.seen[host.name].update((addr, port, proc.split(",")[0]) for addr, port, proc in found)
+            self._stop.wait(self.interval)
+
+    def __enter__(self) -> ListenerWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def outside_the_spec(self) -> dict[str, list[tuple[str, int, str]]]:
+        """Per host, every listener on an address other than that host's own cluster address."""
+        return {
+            host.name: sorted(s for s in self.seen[host.name] if s[0] != host.address)
+            for host in self.cluster.hosts
+            if any(s[0] != host.address for s in self.seen[host.name])
+        }
+
+
+def run_watched(cluster: Cluster, hosts: dict[str, list[Host]], args: list[str], logs: Path):
+    """Runs every task of ``hosts`` to success while watching listeners; returns (spec, tasks, watch)."""
+    spec = cluster_spec(hosts)
+    with ListenerWatch(cluster) as watch:
+        tasks = start_all(spec, hosts, args, logs)
+        wait(tasks)
+    assert_succeeded(tasks)
+    return spec, tasks, watch

@@ -1,0 +1,128 @@
+"""Faults on the wire between namespace hosts: what each strategy promises, and that nothing hangs past its timeout.
+
+- ds_mirrored rides out a link cut shorter than its ``timeout`` (TCP retransmits; gloo waits up to ``timeout``).
+- A link cut for good fails every rank with ds_mirrored's collective error within the timeout, leaves no process
+  behind, and the last checkpoint resumes once the link is back.
+- Under ds_parameter_server a worker host whose processes all die does not stop the other worker.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.cluster.netns import Cluster
+from tests.cluster.tasks import (
+    assert_succeeded,
+    cluster_spec,
+    fit_args,
+    start_all,
+    step_of,
+    wait,
+    wait_for_step,
+)
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _args(config: str, tmp_path, heartbeat, *extra: str) -> list[str]:
+    return fit_args(
+        config,
+        tmp_path,
+        "--trainer.callbacks+=tests.helpers.callbacks.Heartbeat",
+        f"--trainer.callbacks.path={heartbeat}",
+        "--trainer.callbacks.delay_s=0.05",  # stretches the run so the fault lands mid-training
+        *extra,
+    )
+
+
+def _mirrored(timeout: float) -> list[str]:
+    return ["--trainer.strategy=ds_lightning.strategies.MirroredStrategy", f"--trainer.strategy.timeout={timeout}"]
+
+
+def test_ds_mirrored_survives_a_link_cut_shorter_than_its_timeout(cluster_factory, tmp_path):
+    cluster: Cluster = cluster_factory(2)
+    hosts = {"worker": cluster.hosts}
+    heartbeat = tmp_path / "heartbeat"
+    args = _args("mirrored.yaml", tmp_path, heartbeat, "--trainer.max_steps=60", *_mirrored(timeout=60))
+    tasks = start_all(cluster_spec(hosts), hosts, args, tmp_path)
+    wait_for_step(heartbeat, 0, 5, tasks)
+    cluster.cut(cluster.hosts[1])
+    time.sleep(0.5)
+    during = step_of(heartbeat, 0)
+    time.sleep(3)
+    assert step_of(heartbeat, 0) <= during + 1  # the cut did stop the all-reduce
+    assert all(t.proc.poll() is None for t in tasks)  # and nobody gave up during it
+    cluster.restore(cluster.hosts[1])
+    wait(tasks)
+    assert_succeeded(tasks)
+    assert step_of(heartbeat, 0) == step_of(heartbeat, 1) == 60
+
+
+def test_a_link_cut_for_good_fails_every_rank_in_time_and_the_checkpoint_resumes(cluster_factory, tmp_path):
+    cluster: Cluster = cluster_factory(2)
+    hosts = {"worker": cluster.hosts}
+    spec = cluster_spec(hosts)
+    heartbeat, ckpt = tmp_path / "heartbeat", tmp_path / "ckpt"
+    timeout = 10
+    args = _args(
+        "mirrored.yaml",
+        tmp_path,
+        heartbeat,
+        "--trainer.max_steps=60",
+        *_mirrored(timeout),
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={ckpt}",
+        "--trainer.callbacks.every_n_train_steps=5",
+        "--trainer.callbacks.save_last=true",
+    )
+    tasks = start_all(spec, hosts, args, tmp_path / "cut")
+    wait_for_step(heartbeat, 0, 12, tasks)
+    cluster.cut(cluster.hosts[1])
+    waited = wait(tasks, timeout=timeout + 60)
+    for rank, task in enumerate(tasks):
+        assert task.proc.returncode not in (0, None), task.output[-3000:]
+        assert f"ds_mirrored: a collective failed on rank {rank} (timeout {timeout} s)" in task.output, task.output[
+            -3000:
+        ]
+    assert waited < timeout + 45  # the collective timeout ended it, not the test's kill
+    assert [cluster.pids(host) for host in cluster.hosts] == [[], []]  # no process left behind on any host
+    last = ckpt / "last.ckpt"
+    assert last.exists(), sorted(p.name for p in ckpt.iterdir())
+
+    cluster.restore(cluster.hosts[1])
+    resumed = start_all(spec, hosts, [*args, f"--ckpt_path={last}"], tmp_path / "resumed")
+    wait(resumed)
+    assert_succeeded(resumed)
+    assert "Restored all states from the checkpoint" in resumed[0].output
+    assert step_of(heartbeat, 0) == step_of(heartbeat, 1) == 60
+
+
+def test_ds_parameter_server_worker_host_killed_the_other_worker_finishes(cluster_factory, tmp_path):
+    cluster: Cluster = cluster_factory(3)
+    chief, worker, server = cluster.hosts
+    hosts = {"chief": [chief], "worker": [worker], "ps": [server]}
+    heartbeat = tmp_path / "heartbeat"
+    args = _args(
+        "parameter_server.yaml",
+        tmp_path,
+        heartbeat,
+        "--trainer.max_epochs=2",
+        "--trainer.strategy.init_args.num_servers=1",
+        "--trainer.strategy.init_args.timeout=60",
+    )
+    tasks = start_all(cluster_spec(hosts), hosts, args, tmp_path)
+    wait_for_step(heartbeat, 1, 5, tasks)
+    cluster.kill(worker)
+    killed_at = step_of(heartbeat, 1)
+    waited = wait([t for t in tasks if t.host is not worker])
+    ps_task = next(t for t in tasks if t.role == "ps")
+    chief_task = next(t for t in tasks if t.role == "chief")
+    assert_succeeded([chief_task, ps_task])
+    assert waited < 120
+    assert "parameter server 0 lost worker 1" in ps_task.output
+    assert "workers finished [0], lost [1]" in ps_task.output
+    assert step_of(heartbeat, 0) > killed_at + 10  # the chief went on training after the kill
+    assert json.loads((tmp_path / "report.json").read_text())["val_acc"] > 0.8
