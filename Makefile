@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ds_lightning-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup demo test lint bench bench-pipeline bench-ps bench-balance bench-precision clean
+.PHONY: setup cluster-tools demo test lint bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster clean
 
 setup: $(STAMP)
 
@@ -21,8 +21,19 @@ $(STAMP): pyproject.toml
 demo: setup
 	$(VENV)/bin/ds-train fit --config examples/configs/mirrored.yaml
 
-test: setup
+test: setup cluster-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The multi-host tests build namespace clusters with iproute2 (ip, tc, ss); as root, install it when missing.
+# Without it (or without root) those tests skip and say what is missing.
+cluster-tools:
+	@command -v ip >/dev/null && command -v tc >/dev/null && command -v ss >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	    echo "installing iproute2 for the multi-host cluster tests"; \
+	    apt-get install -y -q iproute2 >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; } || \
+	      echo "note: could not install iproute2; the cluster tests will skip"; \
+	  else echo "note: iproute2 is missing and this is not root; the cluster tests will skip"; fi; }
 
 lint: setup
 	$(PY) -m ruff check .
@@ -42,6 +53,9 @@ bench-balance: setup
 
 bench-precision: setup
 	$(PY) benchmarks/precision.py
+
+bench-cluster: setup cluster-tools
+	$(PY) benchmarks/cluster.py
 
 clean:
 	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache
