@@ -1,0 +1,208 @@
+"""One task of a cluster-benchmark run: a process on one network-namespace host, its role set by ``TF_CONFIG`` only.
+
+Started by ``benchmarks/cluster.py`` (``python _cluster_worker.py spec.json``) inside a host's namespace, one process
+per TF_CONFIG task, ``Trainer(devices=1)``: the strategy reads the cluster from TF_CONFIG and picks the interface that
+holds the task's address (nothing here sets ``MASTER_ADDR``, ``MASTER_PORT`` or ``GLOO_SOCKET_IFNAME``). The spec
+lists configurations run one after the other in this process (the process group stays up between fits); their ``kind``:
+
+* ``compression``: ds_mirrored with one ``gradient_compression`` setting for ``warmup + steps`` steps;
+* ``ps``: ds_mirrored for ``steps`` steps, or ds_parameter_server with an update budget of the same samples;
+* ``balance``: ds_mirrored with ``DynamicLoadBalancer`` (``interval=0``: the equal split) for some epochs.
+
+After each configuration every training task writes ``{name}.rank{r}.json`` into the spec's ``records`` folder: per
+step its time (batch start to batch end, data loading excluded), local batch size and (while balancing) compute time up
+to the launch of its last gradient bucket; per epoch its wall time; the samples it trained on and when its first step
+started and its last ended (wall clock, shared by all namespaces); the bytes per step handed to the all-reduce (also
+over the timed steps alone) and a checksum of its final parameters; rank 0 adds the validation accuracy of its final
+parameters. A configuration that raises ends the process, and the launcher starts the remaining ones again. A parameter
+server's ``fit`` never returns (it leaves the process once it has served), so servers write nothing and run one
+configuration per launch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ds_lightning
+from ds_lightning.callbacks import DynamicLoadBalancer
+from ds_lightning.demos import DigitsClassifier, DigitsDataModule
+
+IMPORTED = time.time()
+
+
+def _budget_spent(trainer: pl.Trainer) -> bool:
+    """Whether this step's pull found ds_parameter_server's ``max_updates`` spent: it ran but pushed nothing."""
+    return getattr(trainer.strategy, "max_updates", None) is not None and trainer.should_stop
+
+
+class Clock(Callback):
+    """Times this task's steps and epochs, counts its samples, and notes its compute time when a balancer runs."""
+
+    def __init__(self, warmup: int) -> None:
+        self.warmup = warmup
+        self.bytes_at_warmup: float | None = None
+        self.step_s: list[float] = []
+        self.compute_s: list[float] = []
+        self.sizes: list[int] = []
+        self.epoch_s: list[float] = []
+        self.samples = 0
+        self.first_start: float | None = None
+        self.last_end: float | None = None
+        self._start = 0.0
+        self._epoch_start = 0.0
+        self._epoch_last_end: float | None = None
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        self._epoch_start = time.perf_counter()
+        self._epoch_last_end = None
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self._start = time.perf_counter()
+        if self.first_start is None:
+            self.first_start = time.time()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        end = time.perf_counter()
+        if _budget_spent(trainer):
+            return
+        self._epoch_last_end = end
+        self.step_s.append(end - self._start)
+        # Set by ds_mirrored's gradient hook while a balancer weights gradients (0 otherwise).
+        launched = getattr(trainer.strategy, "last_bucket_time", 0.0)
+        self.compute_s.append((launched if launched > self._start else end) - self._start)
+        size = int(batch[0].shape[0])
+        self.sizes.append(size)
+        self.samples += size
+        self.last_end = time.time()
+        if len(self.step_s) == self.warmup and hasattr(trainer.strategy, "comm_bytes_per_step"):
+            self.bytes_at_warmup = float(trainer.strategy.comm_bytes_per_step)
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        if self._epoch_last_end is not None:
+            self.epoch_s.append(self._epoch_last_end - self._epoch_start)
+
+
+def _strategy(spec: dict[str, Any]) -> Any:
+    timeout = spec["dist_timeout"]
+    if spec.get("strategy", "ds_mirrored") == "ds_mirrored":
+        return ds_lightning.MirroredStrategy(
+            gradient_compression=spec.get("compression", "none"),
+            powersgd_rank=spec.get("powersgd_rank", 2),
+            powersgd_start_iter=spec.get("powersgd_start_iter", 10),
+            timeout=timeout,
+        )
+    # Equal samples with ds_mirrored's `steps` steps per worker: under max_staleness=0 one server update takes a batch
+    # from every worker, otherwise every push (one batch) is an update.
+    workers = spec["workers"]
+    staleness = spec["max_staleness"]
+    budget = spec["steps"] if staleness == 0 else workers * spec["steps"]
+    return ds_lightning.ParameterServerStrategy(max_staleness=staleness, max_updates=budget, timeout=timeout)
+
+
+def fit_one(spec: dict[str, Any], data: DigitsDataModule) -> None:
+    """One configuration: a fresh Trainer, strategy and model; writes ``{name}.rank{r}.json``."""
+    torch.set_num_threads(1)
+    pl.seed_everything(spec["seed"], verbose=False)
+    kind = spec["kind"]
+    assert data.train_set is not None and data.val_set is not None
+    clock = Clock(spec.get("warmup", 0))
+    callbacks: list[Callback] = [clock]
+    balancer = None
+    if kind == "balance":
+        balancer = DynamicLoadBalancer(
+            global_batch_size=spec["global_batch_size"], interval=spec["interval"], initial_shares=[1.0, 1.0]
+        )
+        callbacks.append(balancer)
+        limits: dict[str, Any] = {"max_epochs": spec["epochs"]}
+    elif spec.get("strategy", "ds_mirrored") == "ds_mirrored":
+        limits = {"max_steps": spec["steps"] + spec.get("warmup", 0)}
+    else:
+        limits = {"max_epochs": 100_000}  # the update budget ends the run, not the epochs
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=_strategy(spec),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        default_root_dir=str(Path(spec["records"]).parent),
+        callbacks=callbacks,
+        **limits,
+    )
+    loader = DataLoader(data.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=kind != "balance")
+    model = DigitsClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"], momentum=0.9)
+    # The epoch-level train_acc would all-gather over the workers at every epoch end (torchmetrics syncs through
+    # torch.distributed): a collective the parameter-server workers must not share. Nothing reads it here.
+    model.train_acc.sync_on_compute = False
+    fit_start = time.time()
+    trainer.fit(model, train_dataloaders=loader)
+    fit_end = time.time()
+    rank = trainer.global_rank
+    strategy = trainer.strategy
+    record: dict[str, Any] = {
+        "name": spec["name"],
+        "rank": rank,
+        "fit_s": fit_end - fit_start,
+        "to_first_step_s": (clock.first_start or fit_end) - fit_start,
+        "step_ms": [1000 * t for t in clock.step_s],
+        "compute_ms": [1000 * t for t in clock.compute_s],
+        "local_sizes": clock.sizes,
+        "epoch_s": clock.epoch_s,
+        "samples": clock.samples,
+        "steps": len(clock.step_s),
+        "first_start": clock.first_start,
+        "last_end": clock.last_end,
+        "params": sum(p.numel() for p in model.parameters()),
+        # Tells runs apart whose accuracy happens to coincide (same seed and data; only the gradients' path differs).
+        "param_checksum": float(sum(p.detach().double().abs().sum() for p in model.parameters())),
+    }
+    if hasattr(strategy, "comm_bytes_per_step"):
+        record["uncompressed_bytes_per_step"] = float(strategy.uncompressed_bytes_per_step)
+        record["comm_bytes_per_step"] = float(strategy.comm_bytes_per_step)  # mean over every step, warm-up included
+        if clock.bytes_at_warmup is not None and record["steps"] > clock.warmup:
+            # The timed steps' own mean (PowerSGD's first steps are plain all-reduces).
+            total = record["comm_bytes_per_step"] * record["steps"]
+            record["timed_bytes_per_step"] = (total - clock.bytes_at_warmup * clock.warmup) / (
+                record["steps"] - clock.warmup
+            )
+    if balancer is not None and rank == 0 and balancer.plan is not None:
+        record["sizes"] = [list(balancer.plan.sizes_at(i)) for i in range(balancer.batches)]
+        record["final_sizes"] = list(balancer.plan.latest)
+        record["estimate"] = balancer.plan.estimate
+    if rank == 0:
+        # After fit the chief holds the final parameters (under ds_parameter_server, what its last pull returned).
+        x, y = data.val_set.tensors
+        model.eval()
+        with torch.no_grad():
+            record["final_acc"] = float((model(x).argmax(-1) == y).float().mean())
+    Path(spec["records"], f"{spec['name']}.rank{rank}.json").write_text(json.dumps(record))
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    common = {k: v for k, v in spec.items() if k != "configs"}
+    data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
+    data.setup("fit")
+    Path(spec["records"], f"started.{os.getpid()}").write_text(json.dumps({"imported_at": IMPORTED}))
+    for config in spec["configs"]:  # in order; the process group stays up between fits
+        fit_one({**common, **config}, data)
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
