@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ class ListenerWatch:
     ``seen[host.name]`` collects ``(address, port, process)`` of every listener observed at any poll.
     """
 
-    def __init__(self, cluster: Cluster, interval: float = 0.2) -> None:
+    def __init__(self, cluster: Cluster, interval: float = 0.5) -> None:
         self.cluster = cluster
         self.interval = interval
         self.seen: dict[str, set[tuple[str, int, str]]] = {host.name: set() for host in cluster.hosts}
@@ -149,11 +150,31 @@ class ListenerWatch:
         }
 
 
-def run_watched(cluster: Cluster, hosts: dict[str, list[Host]], args: list[str], logs: Path):
-    """Runs every task of ``hosts`` to success while watching listeners; returns (spec, tasks, watch)."""
+def run_watched(
+    cluster: Cluster,
+    hosts: dict[str, list[Host]],
+    args: list[str],
+    logs: Path,
+    during: Callable[[list[Task]], None] | None = None,
+) -> list[Task]:
+    """Runs every task of ``hosts`` to success (``during(tasks)`` acts on the running cluster) and checks the run.
+
+    Checks: rank 0's TrainingReport (``logs/report.json``) shows learning, and every host's listeners stayed on its
+    own cluster address, with the rendezvous store seen on the chief (so the watch could not pass by seeing nothing).
+    """
     spec = cluster_spec(hosts)
     with ListenerWatch(cluster) as watch:
         tasks = start_all(spec, hosts, args, logs)
+        if during is not None:
+            during(tasks)
         wait(tasks)
     assert_succeeded(tasks)
-    return spec, tasks, watch
+    # Chance is 0.1; async parameter-server runs vary by a few points from run to run.
+    assert json.loads((logs / "report.json").read_text())["val_acc"] > 0.7
+    assert watch.outside_the_spec() == {}
+    chief = cluster.hosts[0]
+    store_port = int(spec[next(iter(spec))][0].rpartition(":")[2])
+    assert (chief.address, store_port) in {(a, p) for a, p, _ in watch.seen[chief.name]}, watch.seen
+    for host in cluster.hosts:
+        assert watch.seen[host.name], f"no listener ever seen on {host.name}"
+    return tasks

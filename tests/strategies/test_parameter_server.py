@@ -219,8 +219,9 @@ def test_accumulation_and_fp16_callbacks_push_unscaled_windows_and_an_overflow_p
         torch.testing.assert_close(ps["params"][name], value, rtol=0, atol=2e-3)
 
 
+# Two servers with split tensors train asynchronously in tests/cluster/test_multihost.py, each on its own host.
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("servers", [1, 2])
+@pytest.mark.parametrize("servers", [1])
 def test_asynchronous_training_reaches_90_percent_on_digits(tmp_path: Path, servers: int) -> None:
     report = tmp_path / "report.json"
     ds_train(
