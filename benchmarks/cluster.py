@@ -57,6 +57,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import load_balance
 from _launch import free_port, package_state, spread, worker_env
 
 from tests.cluster import netns
@@ -448,28 +449,9 @@ def merge_ps(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 
 def merge_balance(ranks: dict[int, dict[str, Any]], warmup_epochs: int) -> dict[str, Any]:
-    fast, slow = ranks[0], ranks[1]
-    epochs = fast["epoch_s"]
-    timed = epochs[warmup_epochs:] or epochs[-1:]
-    steps_per_epoch = len(fast["step_ms"]) // max(1, len(epochs))
-    first_timed = warmup_epochs * steps_per_epoch if len(epochs) > warmup_epochs else 0
-
-    def per_sample(record: dict[str, Any]) -> float:
-        pairs = list(zip(record["compute_ms"], record["local_sizes"], strict=True))[first_timed:]
-        return statistics.median(c / n for c, n in pairs if n > 0)
-
-    return {
-        "epoch_s": epochs,
-        "median_epoch_s": statistics.median(timed),
-        "step_ms": fast["step_ms"],
-        "median_step_ms": statistics.median(fast["step_ms"][first_timed:] or fast["step_ms"]),
-        "compute_ms_per_sample": [per_sample(fast), per_sample(slow)],
-        "sizes": fast["sizes"],
-        "final_sizes": fast["final_sizes"],
-        "final_share_rank0": fast["final_sizes"][0] / sum(fast["final_sizes"]),
-        "estimate": fast["estimate"],
-        "final_acc": fast["final_acc"],
-    }
+    """The same figures as ``make bench-balance`` takes from its ranks' records (the records have the same form)."""
+    merged = load_balance.merge(ranks, None, 0.0, warmup_epochs)
+    return {k: v for k, v in merged.items() if k not in ("exit_code", "launch_s")}
 
 
 def run_uneven_round(
