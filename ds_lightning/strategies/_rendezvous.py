@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 _BACKLOG = 2048  # rendezvous bursts: every rank (and every parameter server) connects at once
 
+#: Set to 1 to leave the store on all interfaces, as torch's env:// rendezvous does.
+ALL_INTERFACES_VARIABLE = "DS_LIGHTNING_STORE_ON_ALL_INTERFACES"
+
 
 def _is_loopback(address: str) -> bool:
     try:
@@ -32,8 +35,7 @@ def _is_loopback(address: str) -> bool:
         return False
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+def _listen(family: int, address: tuple[Any, ...]) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -45,46 +47,65 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _on_all_interfaces(reason: str, *args: object) -> None:
+    log.warning(reason + " The rendezvous store listens on all interfaces.", *args)
+
+
 def bound_listener(host: str, port: int, spans_hosts: bool) -> socket.socket | None:
     """A socket listening on ``host:port`` only, or None where the store must listen on all interfaces.
 
-    None (with a warning) when ``host`` is no address of this machine (a NAT or service address) or, for a run that
-    ``spans_hosts``, when it resolves here to loopback (``/etc/hosts`` often maps the host name to 127.0.1.1, which the
-    other hosts can't reach).
+    None, with a warning that says why, when binding could make the store unreachable or fail where torch's own store
+    works: ``host`` does not resolve here, resolves to several addresses (dual-stack names; the others would be
+    refused), is no address of this machine (a NAT or service address), resolves to loopback in a run that
+    ``spans_hosts`` (``/etc/hosts`` often maps the host name to 127.0.1.1), or can't be bound for another reason.
+    ``DS_LIGHTNING_STORE_ON_ALL_INTERFACES=1`` asks for all interfaces outright.
 
     Raises:
-        torch.distributed.DistNetworkError: the port is taken or the address can't be used, naming the fix.
+        torch.distributed.DistNetworkError: the port is taken, naming the fix.
 
     """
-    try:
-        resolved = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][4][0]
-    except OSError as error:
-        raise dist.DistNetworkError(
-            f"MASTER_ADDR={host!r} does not resolve ({error}); set it to rank 0's address in the cluster."
-        ) from error
-    if spans_hosts and _is_loopback(resolved):
-        log.warning(
-            "MASTER_ADDR=%r resolves to the loopback address %s on rank 0, which other hosts can't reach; the"
-            " rendezvous store listens on all interfaces. Set MASTER_ADDR to rank 0's cluster address.",
-            host,
-            resolved,
-        )
+    if os.environ.get(ALL_INTERFACES_VARIABLE) == "1":
         return None
     try:
-        return _listen(host, port)
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as error:
+        _on_all_interfaces("MASTER_ADDR=%r does not resolve on rank 0 (%s).", host, error)
+        return None
+    addresses = sorted({info[4][0] for info in infos})
+    if len(addresses) > 1:
+        _on_all_interfaces(
+            "MASTER_ADDR=%r resolves to several addresses on rank 0 (%s); set it to one of them to bind the store.",
+            host,
+            ", ".join(addresses),
+        )
+        return None
+    if spans_hosts and _is_loopback(addresses[0]):
+        _on_all_interfaces(
+            "MASTER_ADDR=%r resolves to the loopback address %s on rank 0, which other hosts can't reach; set it to"
+            " rank 0's cluster address.",
+            host,
+            addresses[0],
+        )
+        return None
+    family, _, _, _, address = infos[0]
+    try:
+        return _listen(family, address)
+    except OSError as error:
+        if error.errno == errno.EADDRINUSE:
+            raise dist.DistNetworkError(
+                f"Rank 0 could not listen on {host}:{port} for the rendezvous ({error}). Another process holds the"
+                " port: choose a free MASTER_PORT (or stop the process holding it)."
+            ) from error
         if error.errno == errno.EADDRNOTAVAIL:
-            log.warning(
-                "MASTER_ADDR=%r (%s) is not an address of rank 0's machine; the rendezvous store listens on all"
-                " interfaces. Set MASTER_ADDR to an address this machine holds to keep it off other networks.",
+            _on_all_interfaces(
+                "MASTER_ADDR=%r (%s) is not an address of rank 0's machine; set MASTER_ADDR to an address this"
+                " machine holds to keep the store off other networks.",
                 host,
-                resolved,
+                addresses[0],
             )
-            return None
-        raise dist.DistNetworkError(
-            f"Rank 0 could not listen on {host}:{port} for the rendezvous ({error}). Another process holds the port:"
-            " choose a free MASTER_PORT (or stop the process holding it)."
-        ) from error
+        else:
+            _on_all_interfaces("Rank 0 could not listen on %s:%s only (%s).", host, port, error)
+        return None
 
 
 def rendezvous_store(
@@ -96,16 +117,20 @@ def rendezvous_store(
     listener = bound_listener(host, port, spans_hosts)
     if listener is None:
         return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout)
-    # The store owns the descriptor from here on; libuv's backend accepts an already-listening socket.
+    # The store owns the descriptor from here on. Both backends accept an already-listening socket; USE_LIBUV=0
+    # picks the old one, as it does for torch's own store.
+    use_libuv = os.environ.get("USE_LIBUV", "1") == "1"
     return dist.TCPStore(
-        host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach(), use_libuv=True
+        host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach(), use_libuv=use_libuv
     )
 
 
-def setup_distributed(strategy: DDPStrategy) -> None:
+def setup_distributed(strategy: DDPStrategy, spans_hosts: bool = False) -> None:
     """``DDPStrategy.setup_distributed`` with the rendezvous store from :func:`rendezvous_store`.
 
-    Under torchrun (``TORCHELASTIC_USE_AGENT_STORE``) the agent already hosts the store, so torch's own rendezvous runs.
+    ``spans_hosts`` says that tasks outside this process group (parameter servers) connect from other hosts; a run
+    of several nodes spans hosts anyway. Under torchrun (``TORCHELASTIC_USE_AGENT_STORE``) the agent already hosts the
+    store, so torch's own rendezvous runs.
     """
     reset_seed()
     strategy.set_world_ranks()
@@ -122,6 +147,6 @@ def setup_distributed(strategy: DDPStrategy) -> None:
             env.global_rank(),
             env.world_size(),
             strategy._timeout,
-            spans_hosts=strategy.num_nodes > 1,
+            spans_hosts=spans_hosts or strategy.num_nodes > 1,
         )
     _init_dist_connection(env, strategy._process_group_backend, **kwargs)

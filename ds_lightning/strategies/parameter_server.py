@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from functools import partial
@@ -352,7 +353,9 @@ class ParameterServerStrategy(DDPStrategy):
 
     @override
     def setup_distributed(self) -> None:
-        setup_distributed(self)  # rank 0's rendezvous store listens on the main address only
+        # Rank 0's rendezvous store listens on the main address only; servers on other hosts must reach it too.
+        hosts = {host for tasks in self._tf.cluster.values() for host, _ in tasks} if self._tf is not None else set()
+        setup_distributed(self, spans_hosts=len(hosts) > 1)
 
     @override
     def setup_environment(self) -> None:
@@ -428,17 +431,19 @@ class ParameterServerStrategy(DDPStrategy):
         Otherwise a metric's ``compute()`` after a worker was lost waits on the lost one and fails the chief.
         """
         from torchmetrics import Metric
-        from torchmetrics.utilities.distributed import gather_all_tensors
-
-        def gather(tensor: Tensor, group: Any | None = None) -> list[Tensor]:
-            if group is not None:
-                return gather_all_tensors(tensor, group=group)
-            return self._collective(lambda g: gather_all_tensors(tensor, group=g), lambda: [tensor])
 
         assert self.lightning_module is not None
+        gather = _LiveWorkersGather(self)
         for module in self.lightning_module.modules():
             if isinstance(module, Metric) and module.dist_sync_fn is None and module.process_group is None:
                 module.dist_sync_fn = gather  # a user's own sync function or group is left alone
+
+    def _unroute_metric_syncs(self) -> None:
+        if self.lightning_module is None:
+            return
+        for module in self.lightning_module.modules():
+            if isinstance(getattr(module, "dist_sync_fn", None), _LiveWorkersGather):
+                module.dist_sync_fn = None
 
     def _keep_metrics_local(self) -> None:
         """Under an update budget workers end at different epochs; torchmetrics would all-gather across them."""
@@ -638,6 +643,7 @@ class ParameterServerStrategy(DDPStrategy):
 
     @override
     def teardown(self) -> None:
+        self._unroute_metric_syncs()
         super().teardown()
         self._client = None
         if self._pg is not None:
@@ -802,6 +808,30 @@ class ParameterServerStrategy(DDPStrategy):
             lambda g: super(ParameterServerStrategy, self).all_gather(tensor, group=g, sync_grads=sync_grads),
             lambda: tensor.unsqueeze(0),
         )
+
+
+class _LiveWorkersGather:
+    """A torchmetrics ``dist_sync_fn``: ``gather_all_tensors`` over the strategy's live workers.
+
+    Holds the strategy weakly and pickles to a plain gather, so a model stays picklable and outlives its Trainer.
+    """
+
+    def __init__(self, strategy: ParameterServerStrategy) -> None:
+        self._strategy: Callable[[], ParameterServerStrategy | None] = weakref.ref(strategy)
+
+    def __call__(self, tensor: Tensor, group: Any | None = None) -> list[Tensor]:
+        from torchmetrics.utilities.distributed import gather_all_tensors
+
+        strategy = self._strategy()
+        if group is not None or strategy is None:
+            return gather_all_tensors(tensor, group=group)
+        return strategy._collective(lambda g: gather_all_tensors(tensor, group=g), lambda: [tensor])
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._strategy = lambda: None
 
 
 def _raise_on_local_sigterm(trainer: Any) -> None:

@@ -418,3 +418,36 @@ def test_a_tf_config_cluster_of_three_hand_started_tasks(tmp_path: Path) -> None
     assert [p.returncode for p in procs] == [0, 0, 0], "\n\n".join(o[-3000:] for o in outputs)
     assert json.loads(report.read_text())["val_acc"] >= 0.85
     assert re.search(r"parameter server 0 done: \d+ updates .* workers finished \[(0, 1|1, 0)\], lost \[\]", outputs[0])
+
+
+def _own_sync(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    return [tensor]
+
+
+def test_metric_syncs_are_routed_to_the_live_workers_stay_picklable_and_are_undone_at_teardown() -> None:
+    import pickle
+
+    from torchmetrics import Metric
+    from torchmetrics.classification import MulticlassAccuracy
+
+    from ds_lightning.demos import DigitsClassifier
+    from ds_lightning.strategies import ParameterServerStrategy
+    from ds_lightning.strategies.parameter_server import _LiveWorkersGather
+
+    def syncs(module: nn.Module) -> list:
+        return [m.dist_sync_fn for m in module.modules() if isinstance(m, Metric)]
+
+    model = DigitsClassifier(hidden_sizes=[8])
+    model.users_metric = MulticlassAccuracy(num_classes=10, dist_sync_fn=_own_sync)
+    strategy = ParameterServerStrategy()
+    strategy._lightning_module = model
+    strategy._route_metric_syncs()
+    routed = [fn for fn in syncs(model) if isinstance(fn, _LiveWorkersGather)]
+    assert len(routed) == len(syncs(model)) - 1 >= 1
+    assert model.users_metric.dist_sync_fn is _own_sync  # a user's own sync function is left alone
+    # torch.save(model) and spawn launchers pickle the module; the copy gathers plainly.
+    copied = [fn for fn in syncs(pickle.loads(pickle.dumps(model))) if isinstance(fn, _LiveWorkersGather)]
+    assert len(copied) == len(routed) and all(fn._strategy() is None for fn in copied)
+    strategy._unroute_metric_syncs()
+    assert syncs(model).count(None) == len(routed)
+    assert model.users_metric.dist_sync_fn is _own_sync

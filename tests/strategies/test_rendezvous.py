@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ds_lightning.strategies._rendezvous import bound_listener, rendezvous_store
+from ds_lightning.strategies._rendezvous import ALL_INTERFACES_VARIABLE, bound_listener, rendezvous_store
 from tests.helpers.runner import free_port
 
 
@@ -63,6 +63,18 @@ def test_loopback_is_refused_only_when_the_run_spans_hosts(caplog):
     assert "loopback" in caplog.text and "MASTER_ADDR" in caplog.text
 
 
-def test_an_unresolvable_main_address_names_master_addr():
-    with pytest.raises(dist.DistNetworkError, match=r"MASTER_ADDR='no-such-host\.invalid' does not resolve"):
-        bound_listener("no-such-host.invalid", free_port(), spans_hosts=False)
+def test_an_unresolvable_main_address_leaves_the_store_on_all_interfaces_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING):
+        assert bound_listener("no-such-host.invalid", free_port(), spans_hosts=False) is None
+    assert "MASTER_ADDR='no-such-host.invalid' does not resolve" in caplog.text
+    assert "listens on all interfaces" in caplog.text
+
+
+def test_the_opt_out_keeps_torchs_behaviour(monkeypatch, caplog):
+    monkeypatch.setenv(ALL_INTERFACES_VARIABLE, "1")
+    port = free_port()
+    with caplog.at_level(logging.WARNING):
+        store = rendezvous_store("127.0.0.1", port, 0, 1, timedelta(seconds=10), spans_hosts=False)
+    store.set("key", "value")
+    assert _accepts("127.0.0.2", port)  # on every interface, as asked; nothing to warn about
+    assert caplog.text == ""
