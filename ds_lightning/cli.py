@@ -7,6 +7,7 @@ import importlib
 from pathlib import Path
 from typing import Any
 
+import lightning
 import torch
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningCLI
@@ -15,6 +16,10 @@ from lightning.pytorch.strategies import Strategy, StrategyRegistry
 import ds_lightning
 
 __all__ = ["DSLightningCLI", "main"]
+
+# Before 2.5 the Trainer compares LightningCLI's internal `_class_path` hparam of the model and the datamodule like any
+# other and stops with "Error while merging hparams" (Lightning issue 20182).
+_CLASS_PATH_CLASHES = tuple(int(part) for part in lightning.__version__.split(".")[:2]) < (2, 5)
 
 
 def _check_strategy_name(strategy: Any) -> None:
@@ -30,6 +35,17 @@ def _check_strategy_name(strategy: Any) -> None:
         f"Unknown strategy {strategy!r}.{hint} ds_lightning strategies: {', '.join(ours)}. Other registered names:"
         f" {', '.join(sorted(n for n in StrategyRegistry.available_strategies() if not n.startswith('ds_')))}."
     )
+
+
+def _data_hparams_without_class_path(config_dump: dict[str, Any]) -> None:
+    """Record the datamodule's hparams without ``_class_path`` when the model's carry one (Lightning < 2.5).
+
+    LightningCLI's instantiator builds each module's hparams from ``config_dump``: a ``class_path`` there becomes the
+    ``_class_path`` hparam. The datamodule still reloads with ``YourDataModule.load_from_checkpoint``.
+    """
+    model, data = config_dump.get("model"), config_dump.get("data")
+    if isinstance(model, dict) and "class_path" in model and isinstance(data, dict) and "class_path" in data:
+        config_dump["data"] = {**(data.get("init_args") or {}), **(data.get("dict_kwargs") or {})}
 
 
 def _strategy_class_from_path(value: str) -> type[Strategy] | None:
@@ -48,6 +64,8 @@ class DSLightningCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         """Turn ``--trainer.strategy=pkg.Class`` into a class, and reject unknown names with the valid ones."""
+        if _CLASS_PATH_CLASHES and isinstance(getattr(self, "config_dump", None), dict):
+            _data_hparams_without_class_path(self.config_dump)
         config = self.config[self.subcommand] if self.subcommand else self.config
         trainer = config.get("trainer")
         if trainer is None:
