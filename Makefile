@@ -7,7 +7,7 @@ STAMP := $(VENV)/.ds_lightning-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup cluster-tools demo test lint bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster clean
+.PHONY: setup cluster-tools demo test test-versions lint bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster clean
 
 setup: $(STAMP)
 
@@ -23,6 +23,11 @@ demo: setup
 
 test: setup cluster-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The declared dependency ranges at their ends (and the pinned venv): every example config and every strategy, on
+# venvs cached under ~/.cache/ds_lightning/versions. Writes runs/versions/matrix.md.
+test-versions: setup
+	bash .ci/versions
 
 # The multi-host tests build namespace clusters with iproute2 (ip, tc, ss); as root, install it when missing.
 # Without it (or without root) those tests skip and say what is missing.
