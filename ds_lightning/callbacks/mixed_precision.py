@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -9,13 +11,61 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from ds_lightning.callbacks._amp_plugin import MixedPrecision as _AmpPlugin
 
-__all__ = ["MixedPrecision"]
+__all__ = ["MixedPrecision", "choose_auto_precision"]
 
 PrecisionName = Literal["auto", "bf16", "fp16"]
+Chosen = Literal["bf16", "fp16", "fp32"]
+
+# x86 flags for native bf16 matrix instructions (Sapphire Rapids' AMX, Cooper Lake's and Zen 4's AVX512-BF16): with
+# them oneDNN runs bf16 matmuls in hardware; without, bf16 autocast is emulated and many times slower than fp32.
+CPU_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def choose_auto_precision(
+    device_type: str, *, cuda_bf16: bool = False, cpu_flags: Iterable[str] = ()
+) -> tuple[Chosen, str]:
+    """What ``MixedPrecision("auto")`` trains in on a device, and why: the precision the device runs fast.
+
+    Args:
+        device_type: the root device's type, e.g. ``"cuda"`` or ``"cpu"``.
+        cuda_bf16: whether the CUDA device has native bf16, not emulated (``including_emulation=False``).
+        cpu_flags: the CPU's feature flags, as in ``/proc/cpuinfo``.
+
+    Returns:
+        ``("bf16" | "fp16" | "fp32", reason)``.
+
+    """
+    if device_type == "cuda":
+        if cuda_bf16:
+            return "bf16", "this CUDA device has native bf16"
+        return "fp16", "this CUDA device has no native bf16, so fp16 with dynamic loss scaling"
+    if device_type == "cpu":
+        found = sorted(set(CPU_BF16_FLAGS) & set(cpu_flags))
+        if found:
+            return "bf16", f"this CPU has native bf16 matrix instructions ({', '.join(found)})"
+        return "fp32", (
+            f"this CPU has no native bf16 matrix instructions (none of {', '.join(CPU_BF16_FLAGS)} in its flags), so"
+            " bf16 autocast would run many times slower than fp32 (benchmarks/results/precision.md)"
+        )
+    return "fp32", f"'auto' knows no fast low-precision path on a {device_type!r} device"
+
+
+def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
+    """The CPU's feature flags from ``/proc/cpuinfo``; empty where it is missing (not Linux), so ``auto`` keeps fp32."""
+    try:
+        text = cpuinfo.read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            return frozenset(value.split())
+    return frozenset()
 
 
 def _check_range(name: str, value: object, low: float, high: float, rule: str, example: str) -> None:
@@ -27,12 +77,15 @@ def _check_range(name: str, value: object, low: float, high: float, rule: str, e
 class MixedPrecision(Callback):
     """Train with automatic mixed precision: the forward pass in bf16 or fp16, parameters and optimizer in fp32.
 
-    ``precision="auto"`` picks bf16 where the device supports it (every CPU, recent GPUs) and fp16 with dynamic loss
-    scaling on GPUs without bf16. Under fp16 a ``torch.amp.GradScaler`` scales the loss; gradients are unscaled
-    exactly once per optimizer step (also under gradient accumulation), before clipping and before
-    ``on_before_optimizer_step``. A step whose gradients hold inf or NaN is skipped, so parameters never take them,
-    and it is counted. The scaler's state is saved in checkpoints under the same key as
-    ``Trainer(precision="16-mixed")``, so either resumes the other.
+    ``precision="auto"`` picks what the device runs fast: bf16 on GPUs with native bf16 (Ampere and later) and on
+    CPUs with native bf16 matrix instructions (``amx_bf16`` or ``avx512_bf16``), fp16 with dynamic loss scaling on
+    older GPUs, and otherwise fp32: the callback then leaves the Trainer's precision alone and says why in one log
+    line on rank 0 (bf16 autocast on a CPU without those instructions was measured many times slower than fp32).
+
+    Under fp16 a ``torch.amp.GradScaler`` scales the loss; gradients are unscaled exactly once per optimizer step (also
+    under gradient accumulation), before clipping and before ``on_before_optimizer_step``. A step whose gradients hold
+    inf or NaN is skipped, so parameters never take them, and it is counted. The scaler's state is saved in
+    checkpoints under the same key as ``Trainer(precision="16-mixed")``, so either resumes the other.
 
     Under the hood the callback installs Lightning's ``MixedPrecision`` precision plugin when the run is set up; do
     not also pass ``precision=`` to the Trainer. Under ``ds_parameter_server`` workers push unscaled gradients and
@@ -72,18 +125,25 @@ class MixedPrecision(Callback):
         self.growth_factor = float(growth_factor)
         self.backoff_factor = float(backoff_factor)
         self.growth_interval = growth_interval
-        self.chosen: str | None = None  # "bf16" or "fp16", once the device is known
+        self.chosen: Chosen | None = None  # once the device is known
         self.plugin: _AmpPlugin | None = None
         self._restored_skipped = 0
 
     @staticmethod
-    def resolve(precision: str, device: torch.device) -> str:
-        """What ``precision`` means on ``device``: ``"auto"`` is bf16 where supported, else fp16."""
+    def resolve(precision: str, device: torch.device) -> Chosen:
+        """What ``precision`` means on ``device``: ``"auto"`` as :func:`choose_auto_precision` decides for it."""
+        return MixedPrecision._resolve_with_reason(precision, device)[0]
+
+    @staticmethod
+    def _resolve_with_reason(precision: str, device: torch.device) -> tuple[Chosen, str]:
         if precision != "auto":
-            return precision
-        if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            return "fp16"
-        return "bf16"
+            return precision, "asked for"  # type: ignore[return-value]
+        cuda_bf16 = False
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # emulated bf16 (pre-Ampere) is slow: it does not count
+                cuda_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        flags = read_cpu_flags() if device.type == "cpu" else frozenset()
+        return choose_auto_precision(device.type, cuda_bf16=cuda_bf16, cpu_flags=flags)
 
     @property
     def skipped_steps(self) -> int:
@@ -107,7 +167,13 @@ class MixedPrecision(Callback):
                 " `precision=` from the Trainer and let the callback choose."
             )
         device = strategy.root_device
-        self.chosen = self.resolve(self.precision, device)
+        already = self.chosen
+        self.chosen, reason = self._resolve_with_reason(self.precision, device)
+        if self.chosen == "fp32":
+            if already != "fp32":  # once per callback, not again for a validate or test after fit
+                rank_zero_info(f"MixedPrecision('auto') trains in fp32: {reason}. Pass precision='bf16' to force it.")
+            self.plugin = None
+            return
         scaler = None
         if self.chosen == "fp16":
             scaler = torch.amp.GradScaler(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from ds_lightning.callbacks import MixedPrecision
+from ds_lightning.callbacks import MixedPrecision, mixed_precision
+from ds_lightning.callbacks.mixed_precision import choose_auto_precision, read_cpu_flags
 from tests.helpers.models import OverflowingModule, TinyData, TinyModule
 from tests.helpers.trainers import quiet_trainer
 
@@ -33,11 +36,99 @@ def test_bad_options_fail_at_construction_naming_the_value(kwargs, message):
         MixedPrecision(**kwargs)
 
 
-def test_auto_picks_bf16_on_cpu_and_explicit_choices_stand():
-    cpu = torch.device("cpu")
-    assert MixedPrecision.resolve("auto", cpu) == "bf16"
-    assert MixedPrecision.resolve("fp16", cpu) == "fp16"
-    assert MixedPrecision.resolve("bf16", cpu) == "bf16"
+@pytest.mark.parametrize(
+    ("device_type", "cuda_bf16", "flags", "expected"),
+    [
+        ("cuda", True, (), "bf16"),  # Ampere and later
+        ("cuda", False, (), "fp16"),  # Volta, Turing: fp16 with a loss scaler
+        ("cuda", False, ("amx_bf16",), "fp16"),  # the host CPU's flags do not matter for a GPU
+        ("cpu", False, ("fpu", "avx2", "amx_bf16", "amx_tile"), "bf16"),  # Sapphire Rapids
+        ("cpu", False, ("avx512f", "avx512_bf16"), "bf16"),  # Cooper Lake, Zen 4
+        ("cpu", False, ("fpu", "avx2", "avx512f", "avx512_vnni"), "fp32"),  # AVX-512 without bf16
+        ("cpu", False, ("fpu", "avx2", "fma"), "fp32"),  # the benchmark's EPYC: bf16 measured 17.6x fp32
+        ("cpu", False, (), "fp32"),  # flags unknown (no /proc/cpuinfo): stay safe
+        ("cpu", True, (), "fp32"),  # a GPU's bf16 says nothing about the CPU
+        ("mps", False, (), "fp32"),  # no rule for the device type: fp32
+    ],
+)
+def test_auto_decides_by_what_the_device_runs_fast(device_type, cuda_bf16, flags, expected):
+    chosen, reason = choose_auto_precision(device_type, cuda_bf16=cuda_bf16, cpu_flags=flags)
+    assert chosen == expected
+    assert reason
+    if expected == "fp32" and device_type == "cpu":
+        assert "amx_bf16" in reason and "avx512_bf16" in reason  # the log line names what was looked for
+
+
+def test_explicit_choices_stand_whatever_the_device():
+    for device in (torch.device("cpu"), torch.device("meta")):
+        assert MixedPrecision.resolve("fp16", device) == "fp16"
+        assert MixedPrecision.resolve("bf16", device) == "bf16"
+
+
+def test_cpu_flags_are_read_from_the_flags_line_and_missing_means_none(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: Some Xeon\nflags\t\t: fpu avx2 amx_bf16 avx512_bf16\nbugs\t\t: spectre\n\n"
+        "processor\t: 1\nflags\t\t: fpu avx2 amx_bf16 avx512_bf16\n"
+    )
+    assert read_cpu_flags(cpuinfo) == {"fpu", "avx2", "amx_bf16", "avx512_bf16"}
+    cpuinfo.write_text("processor\t: 0\nFeatures\t: fp asimd bf16\n")  # aarch64 has no "flags" line
+    assert read_cpu_flags(cpuinfo) == frozenset()
+    assert read_cpu_flags(tmp_path / "missing") == frozenset()
+
+
+class _AutocastProbe(TinyModule):
+    """TinyModule that records the dtype of its layer's output and whether autocast was on, per training step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, bool]] = []
+
+    def training_step(self, batch, batch_idx):
+        self.seen.append((self.layer(batch[0]).dtype, torch.is_autocast_enabled("cpu")))
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.fixture
+def rank_zero_lines():
+    """Messages logged through Lightning's rank-zero logger (which does not propagate to pytest's caplog)."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addHandler(handler)
+    yield lines
+    logger.removeHandler(handler)
+
+
+def test_auto_on_this_cpu_trains_in_what_the_decision_function_picks_for_its_flags(tmp_path, rank_zero_lines):
+    expected, _ = choose_auto_precision("cpu", cpu_flags=read_cpu_flags())
+    amp = MixedPrecision("auto")
+    model = _AutocastProbe()
+    trainer = quiet_trainer(tmp_path, [amp], max_steps=2)
+    trainer.fit(model, TinyData())
+    assert amp.chosen == expected
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[expected]
+    assert model.seen == [(dtype, expected == "bf16")] * 2
+    said_fp32 = [line for line in rank_zero_lines if "MixedPrecision('auto') trains in fp32" in line]
+    assert len(said_fp32) == (expected == "fp32")
+
+
+def test_auto_on_a_cpu_without_native_bf16_keeps_fp32_and_says_why_once(tmp_path, monkeypatch, rank_zero_lines):
+    # Stands in for the hardware: this CPU's flags as the benchmark machine's (AMD EPYC, avx2 only).
+    monkeypatch.setattr(mixed_precision, "read_cpu_flags", lambda: frozenset({"fpu", "avx2", "fma"}))
+    amp = MixedPrecision("auto")
+    model = _AutocastProbe()
+    trainer = quiet_trainer(tmp_path, [amp], max_steps=2)
+    trainer.fit(model, TinyData())
+    trainer.validate(model, TinyData(), verbose=False)
+    assert amp.chosen == "fp32"
+    assert amp.plugin is None
+    assert type(trainer.precision_plugin) is Precision  # the Trainer's own 32-bit plugin, untouched
+    assert model.seen == [(torch.float32, False)] * 2
+    said = [line for line in rank_zero_lines if "MixedPrecision" in line]
+    assert len(said) == 1, said  # one line, not again for validate
+    assert "trains in fp32" in said[0] and "amx_bf16" in said[0] and "precision='bf16'" in said[0]
 
 
 class _Snapshots(Callback):
