@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import ds_lightning
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from ds_lightning.strategies import MirroredStrategy
+from tests.comm.wire_workers import expected_powersgd_bytes
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
 
 pytestmark = pytest.mark.multiprocess
@@ -174,7 +176,7 @@ def test_every_option_reaches_the_live_strategy_from_yaml(tmp_path, init_args, e
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd"])
 def test_compressed_training_converges_on_digits(tmp_path, compression):
-    report = tmp_path / "report.json"
+    report, wire = tmp_path / "report.json", tmp_path / "wire.json"
     ds_train(
         [
             "fit",
@@ -185,11 +187,25 @@ def test_compressed_training_converges_on_digits(tmp_path, compression):
             f"--trainer.strategy.gradient_compression={compression}",
             "--trainer.strategy.powersgd_start_iter=5",
             f"--trainer.callbacks.output_json={report}",
+            "--trainer.callbacks+=tests.helpers.callbacks.RecordWire",
+            f"--trainer.callbacks.path={wire}",
         ]
     )
-    figures = __import__("json").loads(report.read_text())
+    figures = json.loads(report.read_text())
     assert figures["val_acc"] > 0.9, figures
-    assert figures["comm_bytes_per_step"] < figures["uncompressed_bytes_per_step"], figures
+    # Bytes as the comm hook handed them to all-reduce, every step: the hook for this name ran and compressed.
+    sent = json.loads(wire.read_text())
+    assert sent["steps"] == sent["global_step"] > 5, sent
+    assert figures["comm_bytes_per_step"] == sent["comm_bytes_per_step"], (figures, sent)
+    full = figures["uncompressed_bytes_per_step"]
+    if compression == "powersgd":
+        assert sent["dtypes"] == ["torch.float32"], sent
+        model = DigitsClassifier(hidden_sizes=(128,))  # the config's model
+        assert sent["last_step_bytes"] == expected_powersgd_bytes(model, rank=2), sent
+        assert sent["comm_bytes_per_step"] < 0.5 * full, sent
+    else:
+        assert sent["dtypes"] == [f"torch.{ {'fp16': 'float16', 'bf16': 'bfloat16'}[compression] }"], sent
+        assert sent["comm_bytes_per_step"] == sent["last_step_bytes"] == full / 2, (sent, full)
 
 
 def test_powersgd_runs_on_gloo_with_a_large_multi_bucket_model(tmp_path):
@@ -211,7 +227,7 @@ def test_powersgd_runs_on_gloo_with_a_large_multi_bucket_model(tmp_path):
         ],
         timeout=300,
     )
-    figures = __import__("json").loads(report.read_text())
+    figures = json.loads(report.read_text())
     assert figures["comm_bytes_per_step"] < 0.2 * figures["uncompressed_bytes_per_step"], figures
 
 
