@@ -145,7 +145,8 @@ def test_predict_subcommand_predicts_every_sample_once_as_the_checkpoint_does(tm
     for rank in range(2):
         saved = torch.load(f"{out}.rank{rank}.pt", weights_only=True)
         assert saved["world_size"] == 2
-        (predictions,), (batches,) = saved["predictions"], saved["batch_indices"]  # one dataloader
+        # One dataloader: Lightning un-nests the predictions but keeps batch indices per dataloader.
+        predictions, (batches,) = saved["predictions"], saved["batch_indices"]
         for batch, index in zip(predictions, batches, strict=True):
             assert batch.shape == (len(index),) and batch.dtype == torch.int64  # one class id per image
             assert len(index) <= 32  # mirrored.yaml's batch_size
