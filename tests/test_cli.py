@@ -10,6 +10,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from torch import nn
+from torch.testing import assert_close
+from torch.utils.data import DistributedSampler
 
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from tests.helpers.runner import CONFIGS, REPO, ds_train, quiet_trainer_args, worker_env
@@ -82,17 +85,75 @@ def digits_checkpoint(tmp_path_factory) -> Path:
     return path
 
 
+def _independent_outputs(checkpoint: Path) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    """The checkpoint's weights in a plain torch MLP on the validation split, in the order two ranks read it.
+
+    Returns the dataset index of each evaluated sample (DistributedSampler pads 359 samples to 360 by repeating
+    the first), their logits and their labels.
+    """
+    weights = torch.load(checkpoint, weights_only=True)["state_dict"]
+    net = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))  # mirrored.yaml's hidden_sizes [128]
+    net.load_state_dict({k.removeprefix("net."): v for k, v in weights.items() if k.startswith("net.")})
+    data = DigitsDataModule()
+    data.setup("validate")
+    val_set = data.val_set
+    indices = [i for r in range(2) for i in DistributedSampler(val_set, num_replicas=2, rank=r, shuffle=False)]
+    x, y = val_set.tensors
+    with torch.no_grad():
+        return indices, net(x[indices]), y[indices]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("subcommand", ["validate", "test", "predict"])
-def test_evaluation_subcommands_run_distributed(tmp_path, digits_checkpoint, subcommand):
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_evaluation_subcommands_report_the_metrics_of_the_checkpoint(tmp_path, digits_checkpoint, subcommand):
+    record = tmp_path / "metrics.json"
     run = ds_train(
-        [subcommand, f"--config={MIRRORED}", f"--ckpt_path={digits_checkpoint}", *quiet_trainer_args(tmp_path)]
-    )
+        [
+            subcommand, f"--config={MIRRORED}", f"--ckpt_path={digits_checkpoint}", *quiet_trainer_args(tmp_path),
+            "--trainer.callbacks+=tests.helpers.callbacks.RecordMetrics", f"--trainer.callbacks.path={record}",
+        ]
+    )  # fmt: skip
     assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in run.output
+    metrics = run.json(record)
+    indices, logits, labels = _independent_outputs(digits_checkpoint)
+    assert len(indices) == 360 and len(set(indices)) == 359
+    accuracy = (logits.argmax(dim=1) == labels).double().mean()
+    assert 0.5 < float(accuracy) < 1.0  # trained, and not trivially perfect: the comparison means something
     if subcommand == "validate":
-        assert "val_acc" in run.output
-    elif subcommand == "test":
-        assert "test_acc" in run.output
+        assert metrics.keys() == {"val_acc", "val_loss"}, metrics
+        assert_close(torch.tensor(metrics["val_acc"], dtype=torch.float64), accuracy, atol=1e-6, rtol=0)
+        loss = nn.functional.cross_entropy(logits, labels)
+        assert_close(torch.tensor(metrics["val_loss"]), loss, atol=1e-5, rtol=1e-5)
+    else:
+        assert metrics.keys() == {"test_acc"}, metrics
+        assert_close(torch.tensor(metrics["test_acc"], dtype=torch.float64), accuracy, atol=1e-6, rtol=0)
+
+
+@pytest.mark.multiprocess
+def test_predict_subcommand_predicts_every_sample_once_as_the_checkpoint_does(tmp_path, digits_checkpoint):
+    out = tmp_path / "predictions"
+    run = ds_train(
+        [
+            "predict", f"--config={MIRRORED}", f"--ckpt_path={digits_checkpoint}", *quiet_trainer_args(tmp_path),
+            "--trainer.callbacks+=tests.helpers.callbacks.SavePredictions", f"--trainer.callbacks.path={out}",
+        ]
+    )  # fmt: skip
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in run.output
+    indices, logits, _ = _independent_outputs(digits_checkpoint)
+    expected = dict(zip(indices, logits.argmax(dim=1).tolist(), strict=True))
+    predicted: dict[int, int] = {}
+    for rank in range(2):
+        saved = torch.load(f"{out}.rank{rank}.pt", weights_only=True)
+        assert saved["world_size"] == 2
+        # One dataloader: Lightning un-nests the predictions but keeps batch indices per dataloader.
+        predictions, (batches,) = saved["predictions"], saved["batch_indices"]
+        for batch, index in zip(predictions, batches, strict=True):
+            assert batch.shape == (len(index),) and batch.dtype == torch.int64  # one class id per image
+            assert len(index) <= 32  # mirrored.yaml's batch_size
+            for i, cls in zip(index, batch.tolist(), strict=True):
+                assert i not in predicted, f"sample {i} predicted twice"
+                predicted[i] = cls
+    assert predicted == expected  # every one of the 359 samples once, each the class the weights give
 
 
 def _cli_calls(calls: list[list[str]]) -> list[tuple[str, str]]:
@@ -141,7 +202,14 @@ def early_exits(tmp_path_factory) -> dict[str, tuple[str, str]]:
         "print-name": ["fit", f"--config={MIRRORED}", "--print_config"],
         "print-class-path": ["fit", f"--config={MIRRORED}", class_path, "--print_config"],
         "unknown-name": ["fit", f"--config={MIRRORED}", "--trainer.strategy=ds_mirorred"],
-        "no-cuda": ["fit", f"--config={MIRRORED}", *quiet_trainer_args(root), "--trainer.accelerator=cuda"],
+        # One more CUDA device than this machine has (on a machine without CUDA: any).
+        "too-many-cuda": [
+            "fit",
+            f"--config={MIRRORED}",
+            *quiet_trainer_args(root),
+            "--trainer.accelerator=cuda",
+            f"--trainer.devices={torch.cuda.device_count() + 1}",
+        ],
     }
     for label, (override, _) in BAD_OVERRIDES.items():
         calls[label] = ["fit", f"--config={MIRRORED}", *quiet_trainer_args(root), class_path, override]
@@ -164,10 +232,11 @@ def test_unknown_ds_name_lists_the_available_ones(early_exits):
 
 
 def test_more_devices_than_available_fails_at_construction(early_exits):
-    assert not torch.cuda.is_available()
-    code, output = early_exits["no-cuda"]
+    code, output = early_exits["too-many-cuda"]
     assert code != "0"
-    assert "not available" in output, output[-3000:]
+    # Lightning's two refusals: no CUDA at all, or fewer GPUs than requested.
+    reason = "only has" if torch.cuda.is_available() else "not available"
+    assert reason in output, output[-3000:]
     assert "Initializing distributed" not in output
 
 

@@ -48,7 +48,8 @@ class DynamicLoadBalancer(Callback):
     ``balance/throughput_rank{r}`` (samples/s). Shares and the estimates are saved in checkpoints.
 
     Args:
-        global_batch_size: samples per step over all ranks.
+        global_batch_size: samples per step over all ranks; ``None`` takes the training DataLoader's (per-rank)
+            batch size times the number of data-parallel ranks, read when the loader is built.
         interval: batches between re-divisions; 0 keeps ``initial_shares`` fixed.
         ema: weight of the newest measurement in the running estimate, in ``(0, 1]``.
         hysteresis: relative size change below which shares stay as they are, in ``[0, 1]``.
@@ -62,14 +63,16 @@ class DynamicLoadBalancer(Callback):
 
     def __init__(
         self,
-        global_batch_size: int,
+        global_batch_size: int | None = None,
         interval: int = 20,
         ema: float = 0.5,
         hysteresis: float = 0.05,
         min_share: float = 0.05,
         initial_shares: list[float] | None = None,
     ) -> None:
-        if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 2:
+        if global_batch_size is not None and (
+            isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 2
+        ):
             raise ValueError(f"global_batch_size={global_batch_size!r} must be an int >= 2, e.g. 256.")
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
             raise ValueError(f"interval={interval!r} must be an int >= 0 (0 keeps the initial shares), e.g. 20.")
@@ -86,6 +89,8 @@ class DynamicLoadBalancer(Callback):
         self.min_share = float(min_share)
         self.initial_shares = list(initial_shares) if initial_shares is not None else None
         self.plan: SharePlan | None = None
+        self._world = 1
+        self._pending_state: dict[str, Any] | None = None  # restored before the plan exists (global batch from loader)
         self.batches = 0  # batches run in this fit, over all epochs
         self._epoch_start = 0
         self._strategy: Any = None
@@ -128,20 +133,34 @@ class DynamicLoadBalancer(Callback):
                 f"DynamicLoadBalancer(initial_shares={self.initial_shares}) names {len(self.initial_shares)} ranks,"
                 f" but this run has {world}; give one share per rank."
             )
-        plan = SharePlan(self.global_batch_size, world, self.min_share, self.ema, self.hysteresis)
-        if plan.min_size * world > self.global_batch_size:
+        self.plan, self._world, self._strategy, self._rank = None, world, strategy, strategy.global_rank
+        self.batches, self._epoch_start, self._seen, self._pending_state = 0, 0, 0, None
+        if self.global_batch_size is not None:
+            self.plan = self._make_plan(self.global_batch_size)
+        strategy.balance_batches(self._train_loader)
+
+    def _make_plan(self, global_batch_size: int) -> SharePlan:
+        world = self._world
+        plan = SharePlan(global_batch_size, world, self.min_share, self.ema, self.hysteresis)
+        if plan.min_size * world > global_batch_size:
             raise MisconfigurationException(
-                f"DynamicLoadBalancer(global_batch_size={self.global_batch_size}) cannot give {world} ranks at least"
+                f"DynamicLoadBalancer(global_batch_size={global_batch_size}) cannot give {world} ranks at least"
                 f" min_share={self.min_share} each; raise global_batch_size or lower min_share."
             )
         if self.initial_shares is not None:
-            plan.changes = [(0, split_sizes(self.global_batch_size, self.initial_shares, plan.min_size))]
-        self.plan, self._strategy, self._rank = plan, strategy, strategy.global_rank
-        self.batches, self._epoch_start, self._seen = 0, 0, 0
-        strategy.balance_batches(self._train_loader)
+            plan.changes = [(0, split_sizes(global_batch_size, self.initial_shares, plan.min_size))]
+        return plan
 
     def _train_loader(self, loader: Any) -> DataLoader:
-        assert self.plan is not None
+        if self.plan is None:  # global_batch_size=None: the loader's per-rank batch on every rank
+            if not isinstance(loader.batch_size, int):
+                raise MisconfigurationException(
+                    "DynamicLoadBalancer() reads the global batch from the training DataLoader's batch_size, but it is"
+                    f" {loader.batch_size!r}; pass global_batch_size, e.g. DynamicLoadBalancer(global_batch_size=64)."
+                )
+            self.plan = self._make_plan(loader.batch_size * self._world)
+            if self._pending_state is not None:
+                self.load_state_dict(self._pending_state)
         dataset = loader.dataset
         if not hasattr(dataset, "__len__") or isinstance(dataset, torch.utils.data.IterableDataset):
             raise MisconfigurationException(
@@ -185,7 +204,8 @@ class DynamicLoadBalancer(Callback):
             return
         sampler = trainer.train_dataloader.batch_sampler  # type: ignore[union-attr]
         assert isinstance(sampler, ShareBatchSampler), "the training DataLoader was not rebuilt by the balancer"
-        total = min(self.global_batch_size, sampler.num_samples - idx * self.global_batch_size)
+        global_batch = self.plan.global_batch_size
+        total = min(global_batch, sampler.num_samples - idx * global_batch)
         sizes = sampler.sizes(self.batches, total)
         self._size = sizes[self._rank]
         self._strategy.gradient_weight = len(sizes) * self._size / sum(sizes)
@@ -225,7 +245,7 @@ class DynamicLoadBalancer(Callback):
         self.plan.observe(gathered, now=self.batches, lag=self._lag, window=window, origin=self._epoch_start)
         logged = {f"balance/throughput_rank{r}": float(t) for r, t in enumerate(gathered)}
         logged.update(
-            {f"balance/share_rank{r}": size / self.global_batch_size for r, size in enumerate(self.plan.latest)}
+            {f"balance/share_rank{r}": size / self.plan.global_batch_size for r, size in enumerate(self.plan.latest)}
         )
         pl_module.log_dict(logged, on_step=True, on_epoch=False, batch_size=1, sync_dist=False)
 
@@ -237,6 +257,11 @@ class DynamicLoadBalancer(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if self.plan is not None and state_dict.get("plan"):
-            self.plan.load_state_dict(state_dict["plan"])
-            self.batches = int(state_dict.get("batches", 0))
+        if not state_dict.get("plan"):
+            return
+        if self.plan is None:
+            self._pending_state = state_dict  # applied once the loader gives the global batch size
+            return
+        self.plan.load_state_dict(state_dict["plan"])
+        self.batches = int(state_dict.get("batches", 0))
+        self._pending_state = None

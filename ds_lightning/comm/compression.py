@@ -1,14 +1,15 @@
 """Gradient compression as DDP communication hooks, shared by every strategy that all-reduces gradients.
 
 ``fp16``/``bf16`` use torch's own hooks; ``powersgd`` uses :mod:`ds_lightning.comm.powersgd` (gloo-safe, with
-per-parameter state that survives DDP's bucket rebuild). This module adds a byte counter and a checkpointable state.
+per-parameter state that survives DDP's bucket rebuild). Every hook logs the tensors it sends in a
+:class:`~ds_lightning.comm.wire.WireLog`; this module also keeps a checkpointable state.
 """
 
 # No `from __future__ import annotations`: DDP checks the hooks' annotations at runtime.
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch
@@ -17,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ds_lightning.comm.powersgd import PowerSGDState, powersgd_hook
+from ds_lightning.comm.wire import WireLog
 
 __all__ = ["COMPRESSIONS", "CompressionName", "GradientCompressor"]
 
@@ -26,32 +28,35 @@ COMPRESSIONS: tuple[str, ...] = get_args(CompressionName)
 
 @dataclass
 class _CastState:
-    """State of the plain and half-width hooks: the group plus counters."""
+    """State of the plain and half-width hooks: the group plus what was sent."""
 
     process_group: dist.ProcessGroup | None
-    bytes_sent: int = 0
-    steps: int = 0
-    width: int = 2  # bytes per element on the wire
-
-    def count(self, bucket: dist.GradBucket) -> None:
-        self.bytes_sent += bucket.buffer().numel() * self.width
-        if bucket.is_last():
-            self.steps += 1
+    wire: WireLog = field(default_factory=WireLog)
 
 
-def _allreduce_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    state.count(bucket)
+def _logged_allreduce_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # torch's allreduce_hook all-reduces bucket.buffer() itself: the tensor counted here is the one sent.
+    state.wire.record(bucket.buffer())
+    if bucket.is_last():
+        state.wire.end_step()
     return default_hooks.allreduce_hook(state.process_group, bucket)  # type: ignore[arg-type]
 
 
+# torch's wrappers cast the bucket's buffer, then hand the cast bucket to the inner hook: the log sees the cast tensor.
+_fp16_allreduce = default_hooks.fp16_compress_wrapper(_logged_allreduce_hook)
+_bf16_allreduce = default_hooks.bf16_compress_wrapper(_logged_allreduce_hook)
+
+
+def _allreduce_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return _logged_allreduce_hook(state, bucket)
+
+
 def _fp16_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    state.count(bucket)
-    return default_hooks.fp16_compress_hook(state.process_group, bucket)  # type: ignore[arg-type]
+    return _fp16_allreduce(state, bucket)
 
 
 def _bf16_hook(state: _CastState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    state.count(bucket)
-    return default_hooks.bf16_compress_hook(state.process_group, bucket)  # type: ignore[arg-type]
+    return _bf16_allreduce(state, bucket)
 
 
 def _powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -132,7 +137,7 @@ class GradientCompressor:
             self._state = state
             model.register_comm_hook(state, self._weighting(_powersgd_hook) if weighted else _powersgd_hook)
             return
-        self._state = _CastState(process_group=process_group, width=4 if self.name == "none" else 2)
+        self._state = _CastState(process_group=process_group)
         hook = {"none": _allreduce_hook, "fp16": _fp16_hook, "bf16": _bf16_hook}[self.name]
         if weighted:
             model.register_comm_hook(self._state, self._weighting(hook))
@@ -151,20 +156,29 @@ class GradientCompressor:
         return weighted
 
     @property
+    def wire(self) -> WireLog | None:
+        """What the hook handed to collectives; ``None`` before :meth:`register` and for hookless ``"none"``."""
+        if self._state is None or (self.name == "none" and self._state.wire.steps == 0):
+            return None
+        return self._state.wire
+
+    @property
     def bytes_per_step(self) -> float:
-        """Mean payload bytes this rank handed to all-reduce per optimizer step."""
-        if self._state is None:
-            return 0.0
-        if self.name == "none":
-            return float(self._uncompressed_bytes)
-        return self._state.bytes_sent / max(self._state.steps, 1)
+        """Mean payload bytes this rank handed to gradient collectives per optimizer step, as measured by the hook.
+
+        ``"none"`` without a hook (DDP's built-in all-reduce, kept hook-free for speed) reports the gradient bytes
+        of the parameters DDP reduces: its buckets hold exactly those, and every bucket is all-reduced each step.
+        """
+        wire = self.wire
+        if wire is not None:
+            return wire.bytes_per_step
+        return float(self._uncompressed_bytes) if self._state is not None else 0.0
 
     @property
     def rounds(self) -> int | None:
         """Gradient synchronisations so far, counted by the hook (``None`` for ``"none"``, which has no hook)."""
-        if self._state is None or (self.name == "none" and self._state.steps == 0):
-            return None
-        return self._state.steps
+        wire = self.wire
+        return wire.steps if wire is not None else None
 
     @property
     def uncompressed_bytes_per_step(self) -> int:

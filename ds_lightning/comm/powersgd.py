@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ds_lightning.comm.wire import WireLog
+
 __all__ = ["PowerSGDState", "powersgd_hook"]
 
 
@@ -37,7 +39,7 @@ class PowerSGDState:
         iter: optimizer steps seen (counted at each step's last bucket).
         error: local compression error per parameter, added back next step (error feedback).
         q_memory: last ``Q`` per parameter, reused as the next step's starting point (warm start).
-        bytes_sent / steps: payload counters.
+        wire: what this rank's collectives sent, per step.
 
     """
 
@@ -50,8 +52,7 @@ class PowerSGDState:
     iter: int = 0
     error: dict[int, Tensor] = field(default_factory=dict)
     q_memory: dict[int, Tensor] = field(default_factory=dict)
-    bytes_sent: int = 0
-    steps: int = 0
+    wire: WireLog = field(default_factory=WireLog)
 
     def state_dict(self) -> dict[str, Any]:
         """Tensors and plain numbers only, so ``torch.load(..., weights_only=True)`` reads it."""
@@ -97,7 +98,7 @@ def _initial_q(state: PowerSGDState, index: int, m: int, r: int, like: Tensor) -
 
 
 def _all_reduce_sum(state: PowerSGDState, tensor: Tensor) -> None:
-    state.bytes_sent += tensor.numel() * tensor.element_size()
+    state.wire.record(tensor)
     # Synchronous on purpose: issuing every collective from this thread keeps the order identical on all ranks.
     dist.all_reduce(tensor, group=state.process_group)
 
@@ -110,18 +111,21 @@ def _completed(tensor: Tensor) -> torch.futures.Future[Tensor]:
 
 def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: average the bucket's gradients, rank-``r`` compressed per matrix after ``start_iter`` steps."""
-    world = dist.get_world_size(state.process_group)
-    buffer = bucket.buffer()
-    if bucket.is_last():
-        state.steps += 1
-    if state.iter < state.start_iter:
-        if bucket.is_last():
-            state.iter += 1
-        buffer.div_(world)
-        _all_reduce_sum(state, buffer)
-        return _completed(buffer)
+    _average_bucket(state, bucket)
     if bucket.is_last():
         state.iter += 1
+        state.wire.end_step()
+    return _completed(bucket.buffer())
+
+
+def _average_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> None:
+    """Replace the bucket's gradients by their (approximate) mean over the group, in place."""
+    world = dist.get_world_size(state.process_group)
+    buffer = bucket.buffer()
+    if state.iter < state.start_iter:
+        buffer.div_(world)
+        _all_reduce_sum(state, buffer)
+        return
 
     plain: list[Tensor] = []
     matrices: list[tuple[int, Tensor, Tensor]] = []  # (param index, grad view, n x m matrix with error added)
@@ -175,4 +179,3 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
             approx = grad.view(matrix.shape)
             torch.mm(p, q_sum.t().div(world), out=approx)
             state.error[index] = matrix.sub_(approx)  # reuse the matrix's memory for the new local error
-    return _completed(buffer)

@@ -117,19 +117,23 @@ def _args(tmp_path: Path, out: Path, balancer: list[str], model: list[str], step
     ]
 
 
-def test_forced_uneven_shares_match_one_process_on_the_global_batch(tmp_path):
+@pytest.mark.parametrize(
+    "global_batch",
+    [
+        ["--trainer.callbacks.global_batch_size=48"],
+        ["--data.batch_size=24"],  # DynamicLoadBalancer() takes 24 per rank x 2 ranks
+    ],
+    ids=["explicit", "default-from-loader"],
+)
+def test_forced_uneven_shares_match_one_process_on_the_global_batch(tmp_path, global_batch):
     steps, lr = 8, 0.2
     out = tmp_path / "run"
     ds_train(
         _args(
             tmp_path,
             out,
-            [
-                "--trainer.callbacks.global_batch_size=48",
-                "--trainer.callbacks.interval=0",
-                "--trainer.callbacks.initial_shares=[3, 1]",
-            ],
-            [f"--model.lr={lr}"],
+            ["--trainer.callbacks.interval=0", "--trainer.callbacks.initial_shares=[3, 1]"],
+            [f"--model.lr={lr}", *global_batch],
             steps,
         )
     )
@@ -172,7 +176,7 @@ def test_shares_move_to_the_fast_rank_and_step_counts_stay_equal(tmp_path):
     totals = [r0 + r1 for r0, r1 in zip(records[0]["batch_sizes"], records[1]["batch_sizes"], strict=True)]
     assert totals == ([64] * per_epoch + [rest]) * (steps // (per_epoch + 1)) + [64] * (steps % (per_epoch + 1))
     assert records[0]["batch_sizes"][0] == 32  # even at the start
-    assert records[0]["batch_sizes"][-1] >= 44, records[0]["batch_sizes"]  # most of the batch went to the fast rank
+    assert records[0]["batch_sizes"][-1] > 32, records[0]["batch_sizes"]  # the fast rank took the larger share
     assert records[0]["sync_rounds"] == steps  # fp16's hook ran every step
 
     # Logged every interval, the same on every rank: the shares the plan chose and each rank's throughput.
@@ -190,7 +194,11 @@ def test_shares_move_to_the_fast_rank_and_step_counts_stay_equal(tmp_path):
     assert state["batches"] == steps
     in_force = [sizes for start, sizes in state["plan"]["changes"] if start <= steps - 1][-1]
     assert in_force == [records[0]["batch_sizes"][-1], records[1]["batch_sizes"][-1]]
-    assert len(state["plan"]["estimate"]) == 2
+    # The sizes in force are the split of the latest throughput estimate (no bound on how fast this machine is).
+    estimate = state["plan"]["estimate"]
+    assert len(estimate) == 2 and estimate[0] > estimate[1]
+    latest, proposal = state["plan"]["changes"][-1][1], split_sizes(64, estimate, 4)  # min_share 0.05 of 64
+    assert latest == proposal or all(abs(p - c) <= 0.05 * c for p, c in zip(proposal, latest, strict=True))
 
 
 @pytest.mark.parametrize(

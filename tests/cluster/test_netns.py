@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import pytest
 
+from tests.cluster import conftest as cluster_conftest
+from tests.cluster.conftest import cluster_unavailable, default_search_path, require_cluster, unavailable_action
 from tests.cluster.netns import (
     BENCHMARK_NETWORK,
     Cluster,
@@ -248,13 +250,67 @@ def _has_cap_sys_admin() -> bool:
 
 def test_missing_requirements_reports_this_machine() -> None:
     reason = missing_requirements()
+    ip = shutil.which("ip", path=default_search_path())
     if os.geteuid() != 0:
         assert reason == "needs root (uid 0) to create network namespaces"
-    elif not all(shutil.which(tool, path="/usr/sbin:/sbin:/usr/bin:/bin") for tool in ("ip", "tc", "ss")):
+    elif not all(shutil.which(tool, path=default_search_path()) for tool in ("ip", "tc", "ss")):
         assert reason == "needs iproute2 (ip, tc, ss): apt-get install iproute2"
     elif _has_cap_sys_admin():
         assert reason is None
     else:
         assert reason is not None and "ip netns add" in reason
-    namespaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    if ip is None:
+        require_cluster()  # skips (fails in CI as root) naming the missing tools: no namespace list to read
+    namespaces = subprocess.run([ip, "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert "dsprobe" not in namespaces  # the probe namespace was deleted
+
+
+# --- whether cluster tests run, skip or fail (no root needed) ---------------------------------------------------
+
+
+def _tools_dir(tmp_path, *names: str) -> str:
+    """A folder holding executable stand-ins named ``names``: a search path with exactly those tools."""
+    for name in names:
+        tool = tmp_path / name
+        tool.write_text("#!/bin/sh\nexit 0\n")
+        tool.chmod(0o755)
+    return str(tmp_path)
+
+
+def test_cluster_unavailable_names_root_then_each_missing_iproute2_tool(tmp_path) -> None:
+    assert cluster_unavailable(search_path=_tools_dir(tmp_path), euid=1000) == (
+        "needs root (uid 0) to create network namespaces"
+    )
+    assert cluster_unavailable(search_path=_tools_dir(tmp_path), euid=0) == (
+        "needs iproute2 (ip, tc, ss not found): apt-get install iproute2"
+    )
+    assert cluster_unavailable(search_path=_tools_dir(tmp_path, "tc", "ss"), euid=0) == (
+        "needs iproute2 (ip not found): apt-get install iproute2"
+    )
+
+
+@pytest.mark.parametrize(
+    ("reason", "environ", "euid", "action"),
+    [
+        (None, {"CI": "true"}, 0, "run"),
+        ("needs iproute2", {}, 0, "skip"),
+        ("needs iproute2", {"CI": "false"}, 0, "skip"),
+        ("needs root", {"CI": "true"}, 1000, "skip"),  # CI without root: nothing it could run
+        ("needs iproute2", {"CI": "true"}, 0, "fail"),
+        ("`ip netns add` failed", {"CI": "1"}, 0, "fail"),
+    ],
+)
+def test_unavailable_action_fails_only_in_ci_as_root(reason, environ, euid, action) -> None:
+    assert unavailable_action(reason, environ, euid) == action
+
+
+@pytest.mark.parametrize("ci", ["", "true"])
+def test_a_path_without_ip_skips_with_the_reason_or_fails_in_ci_as_root(tmp_path, monkeypatch, ci) -> None:
+    monkeypatch.setattr(cluster_conftest, "SYSTEM_DIRS", ())
+    monkeypatch.setenv("PATH", _tools_dir(tmp_path, "tc", "ss"))
+    monkeypatch.setenv("CI", ci)
+    root = os.geteuid() == 0
+    expected = pytest.fail.Exception if ci and root else pytest.skip.Exception
+    with pytest.raises(expected) as outcome:
+        cluster_conftest.require_cluster()
+    assert ("ip not found" if root else "needs root") in str(outcome.value)

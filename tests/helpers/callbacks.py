@@ -11,7 +11,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
@@ -118,6 +118,58 @@ class RecordSteps(Callback):
             "batch_sizes": self.batch_sizes,
         }
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class RecordWire(Callback):
+    """Rank 0 writes, at the end of fit, what ds_mirrored's comm hook handed to collectives, as JSON at ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        wire = trainer.strategy._compressor.wire
+        record = {
+            "global_step": trainer.global_step,
+            "steps": wire.steps if wire else None,
+            "last_step_bytes": wire.last_step_bytes if wire else None,
+            "dtypes": sorted(wire.dtypes) if wire else None,
+            "comm_bytes_per_step": trainer.strategy.comm_bytes_per_step,
+            "uncompressed_bytes_per_step": trainer.strategy.uncompressed_bytes_per_step,
+        }
+        if trainer.is_global_zero:
+            Path(self.path).write_text(json.dumps(record))
+
+
+class RecordMetrics(Callback):
+    """Rank 0 writes the logged metrics (already reduced over ranks) as JSON at ``path`` after validate or test."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def _write(self, trainer: pl.Trainer) -> None:
+        if trainer.is_global_zero:
+            metrics = {name: float(value) for name, value in trainer.callback_metrics.items()}
+            Path(self.path).write_text(json.dumps(metrics))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer)
+
+    def on_test_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._write(trainer)
+
+
+class SavePredictions(BasePredictionWriter):
+    """Every rank saves its predictions and their dataset indices to ``{path}.rank{R}.pt`` after predict."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(write_interval="epoch")
+        self.path = path
+
+    def write_on_epoch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, predictions: Any, batch_indices: Any
+    ) -> None:
+        out = {"predictions": predictions, "batch_indices": batch_indices, "world_size": trainer.world_size}
+        torch.save(out, f"{self.path}.rank{trainer.global_rank}.pt")
 
 
 class Heartbeat(Callback):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -14,6 +15,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import ds_lightning
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from ds_lightning.strategies import MirroredStrategy
+from tests.comm.wire_workers import expected_powersgd_bytes
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
 
 pytestmark = pytest.mark.multiprocess
@@ -174,7 +176,7 @@ def test_every_option_reaches_the_live_strategy_from_yaml(tmp_path, init_args, e
 
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd"])
 def test_compressed_training_converges_on_digits(tmp_path, compression):
-    report = tmp_path / "report.json"
+    report, wire = tmp_path / "report.json", tmp_path / "wire.json"
     ds_train(
         [
             "fit",
@@ -185,11 +187,25 @@ def test_compressed_training_converges_on_digits(tmp_path, compression):
             f"--trainer.strategy.gradient_compression={compression}",
             "--trainer.strategy.powersgd_start_iter=5",
             f"--trainer.callbacks.output_json={report}",
+            "--trainer.callbacks+=tests.helpers.callbacks.RecordWire",
+            f"--trainer.callbacks.path={wire}",
         ]
     )
-    figures = __import__("json").loads(report.read_text())
+    figures = json.loads(report.read_text())
     assert figures["val_acc"] > 0.9, figures
-    assert figures["comm_bytes_per_step"] < figures["uncompressed_bytes_per_step"], figures
+    # Bytes as the comm hook handed them to all-reduce, every step: the hook for this name ran and compressed.
+    sent = json.loads(wire.read_text())
+    assert sent["steps"] == sent["global_step"] > 5, sent
+    assert figures["comm_bytes_per_step"] == sent["comm_bytes_per_step"], (figures, sent)
+    full = figures["uncompressed_bytes_per_step"]
+    if compression == "powersgd":
+        assert sent["dtypes"] == ["torch.float32"], sent
+        model = DigitsClassifier(hidden_sizes=(128,))  # the config's model
+        assert sent["last_step_bytes"] == expected_powersgd_bytes(model, rank=2), sent
+        assert sent["comm_bytes_per_step"] < 0.5 * full, sent
+    else:
+        assert sent["dtypes"] == [f"torch.{ {'fp16': 'float16', 'bf16': 'bfloat16'}[compression] }"], sent
+        assert sent["comm_bytes_per_step"] == sent["last_step_bytes"] == full / 2, (sent, full)
 
 
 def test_powersgd_runs_on_gloo_with_a_large_multi_bucket_model(tmp_path):
@@ -209,9 +225,9 @@ def test_powersgd_runs_on_gloo_with_a_large_multi_bucket_model(tmp_path):
             "--model.hidden_sizes=[1024, 1024]",
             f"--trainer.callbacks.output_json={report}",
         ],
-        timeout=300,
+        timeout=240,  # under pytest's 300 s, so a hang fails here with the run's output
     )
-    figures = __import__("json").loads(report.read_text())
+    figures = json.loads(report.read_text())
     assert figures["comm_bytes_per_step"] < 0.2 * figures["uncompressed_bytes_per_step"], figures
 
 
@@ -313,6 +329,10 @@ def test_uneven_inputs_finish_with_equal_step_counts(tmp_path, data, extra, step
         assert_close(rank1["state_dict"][name], value, atol=0, rtol=0)
 
 
+_COLLECTIVE_TIMEOUT_S = 10
+_START_AND_EPOCH_MARGIN_S = 110  # two ranks start and run one epoch of the stream, on a loaded machine
+
+
 def test_uneven_iterable_without_the_guard_fails_within_the_timeout(tmp_path):
     """With ``even_batches=false`` the longer rank waits in all-reduce; the timeout turns that into an error."""
     out = tmp_path / "params"
@@ -320,10 +340,11 @@ def test_uneven_iterable_without_the_guard_fails_within_the_timeout(tmp_path):
         tmp_path,
         out,
         ["--data=tests.helpers.data.UnevenStreamData", "--data.samples_per_rank=[80, 104]"],
-        ["--trainer.strategy.even_batches=false", "--trainer.strategy.timeout=10", "--trainer.max_epochs=1"],
-    )
-    run = ds_train(args, timeout=120, check=False)
-    assert run.seconds < 100
+        ["--trainer.strategy.even_batches=false", f"--trainer.strategy.timeout={_COLLECTIVE_TIMEOUT_S}",
+         "--trainer.max_epochs=1"],
+    )  # fmt: skip
+    # Without the timeout the longer rank would wait forever; ds_train raises TimeoutExpired past the margin.
+    run = ds_train(args, timeout=_COLLECTIVE_TIMEOUT_S + _START_AND_EPOCH_MARGIN_S, check=False)
     assert not Path(f"{out}.rank1.pt").exists()  # rank 1 never finished its epoch silently
     assert run.returncode != 0, run.output[-3000:]
     assert "ds_mirrored: a collective failed on rank 1" in run.output, run.output[-3000:]
