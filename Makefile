@@ -3,11 +3,12 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.ds_lightning-installed
+DOCS_STAMP := $(VENV)/.ds_lightning-docs-installed
 # The pinned torch resolves to the CPU wheel on CPU-only machines here; a GPU box may override it.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup cluster-tools demo test test-versions lint bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster clean
+.PHONY: setup cluster-tools demo test test-versions lint docs bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster clean
 
 setup: $(STAMP)
 
@@ -43,6 +44,14 @@ cluster-tools:
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+
+# The site goes to site/; --strict makes a broken link or an unresolved API reference fail the build.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
 
 bench: setup
 	$(PY) benchmarks/mirrored.py
