@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.cluster.netns import Cluster, missing_requirements
+from ds_lightning.testing.netns import Cluster, missing_requirements
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.cluster.netns import (
+from ds_lightning.testing.netns import (
     BENCHMARK_NETWORK,
     Cluster,
     Host,
