@@ -5,42 +5,23 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from ds_lightning.testing import processes
+from ds_lightning.testing.processes import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["REPO", "free_port", "package_state", "run_detached", "spread", "worker_env"]
 
 
 def worker_env(threads: int = 1, rendezvous: bool = True) -> dict[str, str]:
-    """This environment without any launcher's or cluster's variables, ``threads`` threads, the repo importable.
-
-    With ``rendezvous`` it also names 127.0.0.1 and a free port for a multi-process launch.
-    """
-    env = dict(os.environ)
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GROUP_RANK", "RANK", "TF_CONFIG", "PL_GLOBAL_SEED"):
-        env.pop(var, None)
-    for var in ("DS_PS_SERVER", "DS_PS_SERVERS_STARTED"):
-        env.pop(var, None)
-    env.update(
-        OMP_NUM_THREADS=str(threads),
-        MKL_NUM_THREADS=str(threads),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-        PYTHONWARNINGS="ignore",
-    )
-    if rendezvous:
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    return env
+    """A clean environment for one launch (see :func:`ds_lightning.testing.worker_env`), the repository importable."""
+    return processes.worker_env(threads, rendezvous, pythonpath=[REPO], warnings="ignore")
 
 
 def run_detached(

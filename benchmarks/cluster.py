@@ -60,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import load_balance
 from _launch import free_port, package_state, spread, worker_env
 
-from tests.cluster import netns
+from ds_lightning.testing import netns
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -5,20 +5,24 @@
 
 from ds_lightning.environments import TFConfigEnvironment, TFConfigError
 from ds_lightning.strategies import (
+    ClusterStrategy,
     MirroredStrategy,
     ModelParallelStrategy,
     ParameterServerStrategy,
     PipelineStrategy,
     available_strategies,
 )
+from ds_lightning.testing import ShapingUnsupportedError
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterStrategy",
     "MirroredStrategy",
     "ModelParallelStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
+    "ShapingUnsupportedError",
     "TFConfigEnvironment",
     "TFConfigError",
     "__version__",

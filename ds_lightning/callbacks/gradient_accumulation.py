@@ -10,14 +10,10 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from typing_extensions import override
 
+from ds_lightning import _validation as check
 from ds_lightning.callbacks._batch_geometry import data_parallel_size, per_device_batch_size, samples_per_micro_step
 
 __all__ = ["GradientAccumulation"]
-
-
-def _check_count(name: str, value: object, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an int >= 1, e.g. GradientAccumulation({example}).")
 
 
 class GradientAccumulation(Callback):
@@ -59,12 +55,12 @@ class GradientAccumulation(Callback):
                 " GradientAccumulation(steps=4) or GradientAccumulation(global_batch_size=256)."
             )
         unit = "steps" if steps is not None else "global_batch_size"
-        _check_count(unit, steps if steps is not None else global_batch_size, f"{unit}=4")
+        check.integer(unit, steps if steps is not None else global_batch_size, 1, f"GradientAccumulation({unit}=4)")
         schedule = dict(schedule or {})
         for epoch, value in schedule.items():
-            if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            if not check.is_int(epoch) or epoch < 0:
                 raise ValueError(f"schedule key {epoch!r} must be an epoch number >= 0, e.g. schedule={{5: 8}}.")
-            _check_count(f"schedule[{epoch}]", value, f"schedule={{{epoch}: 8}}")
+            check.integer(f"schedule[{epoch}]", value, 1, f"GradientAccumulation(schedule={{{epoch}: 8}})")
         self.steps = steps
         self.global_batch_size = global_batch_size
         self.schedule = schedule

@@ -13,17 +13,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from ds_lightning import _validation as check
 from ds_lightning.callbacks._share_plan import SharePlan, split_sizes
 from ds_lightning.callbacks._share_sampler import ShareBatchSampler
 
 __all__ = ["DynamicLoadBalancer"]
 
 _WARMUP_BATCHES = 2
-
-
-def _check_fraction(name: str, value: object, low: float, high: float, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
-        raise ValueError(f"{name}={value!r} must be in [{low}, {high}], e.g. DynamicLoadBalancer({name}={example}).")
 
 
 class DynamicLoadBalancer(Callback):
@@ -70,18 +66,15 @@ class DynamicLoadBalancer(Callback):
         min_share: float = 0.05,
         initial_shares: list[float] | None = None,
     ) -> None:
-        if global_batch_size is not None and (
-            isinstance(global_batch_size, bool) or not isinstance(global_batch_size, int) or global_batch_size < 2
-        ):
-            raise ValueError(f"global_batch_size={global_batch_size!r} must be an int >= 2, e.g. 256.")
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-            raise ValueError(f"interval={interval!r} must be an int >= 0 (0 keeps the initial shares), e.g. 20.")
-        _check_fraction("ema", ema, 1e-6, 1.0, "0.5")
-        _check_fraction("hysteresis", hysteresis, 0.0, 1.0, "0.05")
-        _check_fraction("min_share", min_share, 1e-9, 1.0, "0.05")
-        bad = [s for s in initial_shares or [] if isinstance(s, bool) or not isinstance(s, (int, float)) or s <= 0]
-        if initial_shares is not None and (not initial_shares or bad):
-            raise ValueError(f"initial_shares={initial_shares!r} must be positive numbers, one per rank, e.g. [3, 1].")
+        if global_batch_size is not None:
+            check.integer("global_batch_size", global_batch_size, 2, "DynamicLoadBalancer(global_batch_size=256)")
+        check.integer("interval", interval, 0, "DynamicLoadBalancer(interval=20)", "0 keeps the initial shares")
+        check.number("ema", ema, "DynamicLoadBalancer(ema=0.5)", above=0, at_most=1)
+        check.number("hysteresis", hysteresis, "DynamicLoadBalancer(hysteresis=0.05)", at_least=0, at_most=1)
+        check.number("min_share", min_share, "DynamicLoadBalancer(min_share=0.05)", above=0, at_most=1)
+        check.positive_numbers(
+            "initial_shares", initial_shares, "DynamicLoadBalancer(initial_shares=[3, 1]), one per rank"
+        )
         self.global_batch_size = global_batch_size
         self.interval = interval
         self.ema = float(ema)

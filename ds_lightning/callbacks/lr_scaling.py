@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from ds_lightning import _validation as check
 from ds_lightning.callbacks._batch_geometry import samples_per_micro_step
 
 __all__ = ["LRScaling"]
@@ -55,18 +56,12 @@ class LRScaling(Callback):
         warmup_steps: int = 0,
         warmup_start_factor: float = 0.1,
     ) -> None:
-        if isinstance(base_batch_size, bool) or not isinstance(base_batch_size, int) or base_batch_size < 1:
-            raise ValueError(f"base_batch_size={base_batch_size!r} must be an int >= 1, e.g. LRScaling(256).")
-        if rule not in ("linear", "sqrt"):
-            raise ValueError(f"rule={rule!r} is not a scaling rule; use rule='linear' or rule='sqrt'.")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"warmup_steps={warmup_steps!r} must be an int >= 0 (0 turns warmup off).")
-        if (
-            isinstance(warmup_start_factor, bool)
-            or not isinstance(warmup_start_factor, (int, float))
-            or not 0 < warmup_start_factor <= 1
-        ):
-            raise ValueError(f"warmup_start_factor={warmup_start_factor!r} must be in (0, 1], e.g. 0.1.")
+        check.integer("base_batch_size", base_batch_size, 1, "LRScaling(base_batch_size=256)")
+        check.choice("rule", rule, ("linear", "sqrt"))
+        check.integer("warmup_steps", warmup_steps, 0, "LRScaling(256, warmup_steps=100)", "0 turns warmup off")
+        check.number(
+            "warmup_start_factor", warmup_start_factor, "LRScaling(256, warmup_start_factor=0.1)", above=0, at_most=1
+        )
         self.base_batch_size = base_batch_size
         self.rule = rule
         self.warmup_steps = warmup_steps

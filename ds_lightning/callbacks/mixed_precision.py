@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from ds_lightning import _validation as check
 from ds_lightning.callbacks._amp_plugin import MixedPrecision as _AmpPlugin
 
 __all__ = ["MixedPrecision", "choose_auto_precision"]
@@ -68,12 +69,6 @@ def read_cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
     return frozenset()
 
 
-def _check_range(name: str, value: object, low: float, high: float, rule: str, example: str) -> None:
-    """``value`` must be a number strictly between ``low`` and ``high``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not low < value < high:
-        raise ValueError(f"{name}={value!r} must be {rule}, e.g. MixedPrecision({name}={example}).")
-
-
 class MixedPrecision(Callback):
     """Train with automatic mixed precision: the forward pass in bf16 or fp16, parameters and optimizer in fp32.
 
@@ -113,13 +108,11 @@ class MixedPrecision(Callback):
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
     ) -> None:
-        if precision not in ("auto", "bf16", "fp16"):
-            raise ValueError(f"precision={precision!r} is not supported; use 'auto', 'bf16' or 'fp16'.")
-        _check_range("init_scale", init_scale, 0, float("inf"), "> 0", "65536.0")
-        _check_range("growth_factor", growth_factor, 1, float("inf"), "> 1", "2.0")
-        _check_range("backoff_factor", backoff_factor, 0, 1, "in (0, 1)", "0.5")
-        if isinstance(growth_interval, bool) or not isinstance(growth_interval, int) or growth_interval < 1:
-            raise ValueError(f"growth_interval={growth_interval!r} must be an int >= 1, e.g. 2000.")
+        check.choice("precision", precision, ("auto", "bf16", "fp16"))
+        check.number("init_scale", init_scale, "MixedPrecision(init_scale=65536.0)", above=0)
+        check.number("growth_factor", growth_factor, "MixedPrecision(growth_factor=2.0)", above=1)
+        check.number("backoff_factor", backoff_factor, "MixedPrecision(backoff_factor=0.5)", above=0, below=1)
+        check.integer("growth_interval", growth_interval, 1, "MixedPrecision(growth_interval=2000)")
         self.precision = precision
         self.init_scale = float(init_scale)
         self.growth_factor = float(growth_factor)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from ds_lightning import _validation as check
 from ds_lightning.comm.powersgd import PowerSGDState, powersgd_hook
 from ds_lightning.comm.wire import WireLog
 
@@ -63,10 +64,6 @@ def _powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.futur
     return powersgd_hook(state, bucket)
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 class GradientCompressor:
     """One compression setting, attached to one DDP model.
 
@@ -90,14 +87,10 @@ class GradientCompressor:
         powersgd_min_compression_rate: float = 2.0,
         seed: int = 0,
     ) -> None:
-        if name not in COMPRESSIONS:
-            raise ValueError(f"gradient_compression={name!r} is not supported; choose one of {list(COMPRESSIONS)}.")
-        if not _is_int(powersgd_rank) or powersgd_rank < 1:
-            raise ValueError(f"powersgd_rank={powersgd_rank!r} must be an integer >= 1, e.g. powersgd_rank=2.")
-        if not _is_int(powersgd_start_iter) or powersgd_start_iter < 0:
-            raise ValueError(f"powersgd_start_iter={powersgd_start_iter!r} must be an integer >= 0, e.g. 10.")
-        if not powersgd_min_compression_rate > 0:
-            raise ValueError(f"powersgd_min_compression_rate={powersgd_min_compression_rate!r} must be > 0, e.g. 2.")
+        check.choice("gradient_compression", name, COMPRESSIONS)
+        check.integer("powersgd_rank", powersgd_rank, 1, "powersgd_rank=2")
+        check.integer("powersgd_start_iter", powersgd_start_iter, 0, "powersgd_start_iter=10")
+        check.number("powersgd_min_compression_rate", powersgd_min_compression_rate, "2.0", above=0)
         self.name = name
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_iter = powersgd_start_iter

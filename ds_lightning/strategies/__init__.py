@@ -2,12 +2,14 @@
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from ds_lightning.strategies.base import ClusterStrategy
 from ds_lightning.strategies.mirrored import MirroredStrategy
 from ds_lightning.strategies.model_parallel import ModelParallelStrategy
 from ds_lightning.strategies.parameter_server import ParameterServerStrategy
 from ds_lightning.strategies.pipeline import PipelineStrategy
 
 __all__ = [
+    "ClusterStrategy",
     "MirroredStrategy",
     "ModelParallelStrategy",
     "ParameterServerStrategy",

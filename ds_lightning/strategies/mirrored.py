@@ -15,23 +15,17 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from ds_lightning import _validation as check
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
-from ds_lightning.strategies._cluster import (
-    StartMethod,
-    adopt_tf_config,
-    check_launch_options,
-    destroy_process_group_at_exit,
-    pin_interfaces,
-)
-from ds_lightning.strategies._even_batches import even_batches
+from ds_lightning.data.even_batches import even_batches
 from ds_lightning.strategies._registration import register_start_methods
-from ds_lightning.strategies._rendezvous import setup_distributed
+from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 
 log = logging.getLogger(__name__)
 
@@ -41,19 +35,33 @@ _CHECKPOINT_KEY = "ds_mirrored"
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|pair closure|connection closed|connection reset", re.IGNORECASE)
 
 
-def _positive(name: str, value: float, example: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ValueError(f"{name}={value!r} must be a number > 0, e.g. MirroredStrategy({name}={example}).")
-
-
-class MirroredStrategy(DDPStrategy):
+class MirroredStrategy(ClusterStrategy):
     """Synchronous data parallelism: every device holds a full replica and gradients are averaged every step.
 
     The counterpart of ``tf.distribute.MirroredStrategy`` / ``MultiWorkerMirroredStrategy``, built on Lightning's
     :class:`~lightning.pytorch.strategies.DDPStrategy` and torch's ``DistributedDataParallel`` (NCCL on CUDA, gloo on
     CPU). With ``TF_CONFIG`` set, each chief/worker task becomes one node of the run.
 
+    ``MirroredStrategy`` is a drop-in for ``DDPStrategy``: it takes every ``DDPStrategy`` argument in the same
+    position (``MirroredStrategy(accelerator)`` works as ``DDPStrategy(accelerator)`` does), forwards extra keyword
+    arguments to torch's ``DistributedDataParallel`` (e.g. ``broadcast_buffers=False``) and runs a user's own
+    ``ddp_comm_hook`` on every backend. Its own options are keyword-only, after those.
+
     Args:
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer, or :class:`~ds_lightning.environments.TFConfigEnvironment`.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        ddp_comm_state: state for ``ddp_comm_hook``.
+        ddp_comm_hook: your own torch DDP comm hook, instead of ``gradient_compression`` (setting both is an error).
+        ddp_comm_wrapper: wraps ``ddp_comm_hook`` (e.g. torch's ``fp16_compress_wrapper``).
+        model_averaging_period: steps between model averages under torch's post-local SGD hook.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ... ; ``None`` picks NCCL for CUDA and gloo otherwise.
+        timeout: how long any collective may wait before the run fails instead of hanging: seconds (a number) or a
+            ``timedelta``; ``None`` means torch's default (30 minutes).
+        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``/``"forkserver"``
+            use multiprocessing (like ``ddp_spawn``).
         gradient_compression: how gradients cross the wire: ``"none"`` (DDP's all-reduce), ``"fp16"`` or ``"bf16"``
             (half-width all-reduce) or ``"powersgd"`` (low-rank PowerSGD with error feedback, checkpointed).
         powersgd_rank: PowerSGD's approximation rank; higher is more accurate and sends more bytes.
@@ -62,18 +70,12 @@ class MirroredStrategy(DDPStrategy):
         static_graph: tell DDP the set of used parameters never changes (enables extra optimisations).
         find_unused_parameters: let DDP detect parameters that receive no gradient in a step.
         gradient_as_bucket_view: let gradients live inside DDP's communication buckets, saving a copy per step and
-            the memory of a second gradient buffer (do not ``detach_()`` gradients in place when it is on).
-        timeout: seconds any collective may wait before the run fails instead of hanging.
-        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``/``"forkserver"``
-            use multiprocessing (like ``ddp_spawn``).
+            the memory of a second gradient buffer (do not ``detach_()`` gradients in place when it is on). On by
+            default here, on purpose, although torch's ``DistributedDataParallel`` (and so ``DDPStrategy``) defaults
+            to ``False``; pass ``gradient_as_bucket_view=False`` for torch's behaviour.
         even_batches: give every rank the same number of batches (capping to the shortest rank) so uneven inputs cannot
             hang gradient synchronisation.
-        process_group_backend: ``"gloo"``, ``"nccl"``, ... ; ``None`` picks NCCL for CUDA and gloo otherwise.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer, or :class:`~ds_lightning.environments.TFConfigEnvironment`.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
+        **kwargs: passed on to torch's ``DistributedDataParallel``, e.g. ``broadcast_buffers=False``.
 
     Raises:
         ValueError: for any out-of-range option, naming the value and the fix.
@@ -84,6 +86,19 @@ class MirroredStrategy(DDPStrategy):
 
     def __init__(
         self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        *,
         gradient_compression: CompressionName = "none",
         powersgd_rank: int = 2,
         powersgd_start_iter: int = 10,
@@ -91,47 +106,45 @@ class MirroredStrategy(DDPStrategy):
         static_graph: bool = False,
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
-        timeout: float = 1800.0,
-        start_method: StartMethod = "popen",
         even_batches: bool = True,
-        process_group_backend: str | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+        **kwargs: Any,
     ) -> None:
-        if gradient_compression not in COMPRESSIONS:
+        check.choice("gradient_compression", gradient_compression, COMPRESSIONS)
+        if ddp_comm_hook is not None and gradient_compression != "none":
             raise ValueError(
-                f"gradient_compression={gradient_compression!r} is not supported; choose one of {list(COMPRESSIONS)}."
+                f"ddp_comm_hook={ddp_comm_hook!r} and gradient_compression={gradient_compression!r} both decide how"
+                " gradients are all-reduced, and DDP runs one comm hook: leave gradient_compression='none' to run"
+                " your hook, or remove ddp_comm_hook."
             )
-        _positive("bucket_cap_mb", bucket_cap_mb, "25")
-        check_launch_options("MirroredStrategy", timeout, start_method, process_group_backend)
-        flags = (
+        check.number("bucket_cap_mb", bucket_cap_mb, "MirroredStrategy(bucket_cap_mb=25)", above=0)
+        for flag_name, flag in (
             ("static_graph", static_graph),
             ("find_unused_parameters", find_unused_parameters),
             ("gradient_as_bucket_view", gradient_as_bucket_view),
             ("even_batches", even_batches),
-        )
-        for flag_name, flag in flags:
-            if not isinstance(flag, bool):
-                raise ValueError(f"{flag_name}={flag!r} must be True or False.")
+        ):
+            check.flag(flag_name, flag)
         self._compressor = GradientCompressor(
             gradient_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter
         )
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=timeout),
-            start_method=start_method,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
+            ddp_comm_state,
+            ddp_comm_hook,
+            ddp_comm_wrapper,
+            model_averaging_period,
+            process_group_backend,
+            timeout,
+            start_method,
             bucket_cap_mb=bucket_cap_mb,
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            **kwargs,
         )
         self.gradient_compression = gradient_compression
         self.even_batches = even_batches
@@ -148,29 +161,13 @@ class MirroredStrategy(DDPStrategy):
             (("ds_mirrored", "popen"), ("ds_mirrored_spawn", "spawn"), ("ds_mirrored_fork", "fork")),
         )
 
-    # --- cluster: TF_CONFIG ---------------------------------------------------------------------------------------
-
-    @override
-    def setup_distributed(self) -> None:
-        setup_distributed(self)  # rank 0's rendezvous store listens on the main address only
-
-    @override
-    def setup_environment(self) -> None:
-        pin_interfaces(self.cluster_environment)
-        super().setup_environment()
-        destroy_process_group_at_exit(self._get_process_group_backend())
-
-    @override
-    def set_world_ranks(self) -> None:
-        self.cluster_environment, self._num_nodes = adopt_tf_config(
-            "ds_mirrored", self.cluster_environment, self._num_nodes
-        )
-        super().set_world_ranks()
-
     # --- DDP wrapping and compression -----------------------------------------------------------------------------
 
     @override
     def _register_ddp_hooks(self) -> None:
+        if self._ddp_comm_hook is not None:
+            super()._register_ddp_hooks()  # the user's own hook instead of ours
+            return
         # Lightning registers comm hooks on CUDA only; ours must work on gloo too.
         assert isinstance(self.model, DistributedDataParallel)
         self._compressor.register(self.model, weighted=self._train_loader_factory is not None)
@@ -181,7 +178,16 @@ class MirroredStrategy(DDPStrategy):
         ``train_loader_factory(loader)`` receives the training DataLoader (with its DistributedSampler) and returns
         the one to use; every bucket is multiplied by :attr:`gradient_weight` before the all-reduce. Call it before
         the run is set up (a callback's ``setup``), as :class:`~ds_lightning.callbacks.DynamicLoadBalancer` does.
+
+        Raises:
+            ValueError: when the strategy runs the user's own ``ddp_comm_hook``, which the weighting would replace.
+
         """
+        if self._ddp_comm_hook is not None:
+            raise ValueError(
+                f"Balancing batches weights each rank's gradients in ds_mirrored's comm hook, but"
+                f" ddp_comm_hook={self._ddp_comm_hook!r} replaces it; remove ddp_comm_hook or the DynamicLoadBalancer."
+            )
         self._train_loader_factory = train_loader_factory
 
     @property

@@ -1,1 +1,1 @@
-"""A multi-host test cluster built from Linux network namespaces (see :mod:`tests.cluster.netns`)."""
+"""A multi-host test cluster built from Linux network namespaces (see :mod:`ds_lightning.testing.netns`)."""

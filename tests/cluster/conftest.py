@@ -13,7 +13,7 @@ from typing import Literal
 
 import pytest
 
-from tests.cluster.netns import Cluster, missing_requirements
+from ds_lightning.testing.netns import Cluster, missing_requirements
 
 IPROUTE2 = ("ip", "tc", "ss")
 # Where iproute2 lives when a non-login PATH lacks the sbin folders.

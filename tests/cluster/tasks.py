@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.netns import Cluster, Host
+from ds_lightning.testing.netns import Cluster, Host
 from tests.helpers.runner import CONFIGS, REPO, free_port, quiet_trainer_args, worker_env
 
 RUN_TIMEOUT = 240.0

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from tests.cluster.netns import Cluster
+from ds_lightning.testing.netns import Cluster
 from tests.cluster.tasks import fit_args, run_watched
 
 pytestmark = pytest.mark.multiprocess

@@ -14,7 +14,7 @@ import pytest
 
 from tests.cluster import conftest as cluster_conftest
 from tests.cluster.conftest import cluster_unavailable, default_search_path, require_cluster, unavailable_action
-from tests.cluster.netns import (
+from ds_lightning.testing.netns import (
     BENCHMARK_NETWORK,
     Cluster,
     Host,

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from tests.cluster.netns import Cluster
+from ds_lightning.testing.netns import Cluster
 from tests.cluster.tasks import (
     RUN_TIMEOUT,
     Task,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
 import time
@@ -12,30 +10,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_lightning.testing import processes
+from ds_lightning.testing.processes import free_port
+
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+__all__ = ["CONFIGS", "REPO", "Run", "ds_train", "free_port", "quiet_trainer_args", "worker_env"]
 
 
 def worker_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for var in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "GROUP_RANK", "TF_CONFIG", "PL_GLOBAL_SEED"):
-        env.pop(var, None)
-    env.update(
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(free_port()),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")])),
-        PYTHONWARNINGS="ignore::DeprecationWarning",
-    )
-    env.update(extra)
-    return env
+    """A clean environment for one launch: 1 thread, a free rendezvous port, this repository importable."""
+    return processes.worker_env(pythonpath=[REPO], **extra)
 
 
 @dataclass

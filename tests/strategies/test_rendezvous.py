@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from ds_lightning.strategies._rendezvous import ALL_INTERFACES_VARIABLE, bound_listener, rendezvous_store
+from ds_lightning.environments.rendezvous import ALL_INTERFACES_VARIABLE, bound_listener, rendezvous_store
 from tests.helpers.runner import free_port
 
 

@@ -1,0 +1,346 @@
+"""``ClusterStrategy``: the one base of the multi-process ds strategies, a drop-in for Lightning's ``DDPStrategy``.
+
+It owns what every such strategy shares: the launch options (validated, ``timeout`` as seconds or a ``timedelta``),
+``TF_CONFIG`` adoption, rank 0's rendezvous store bound to the main address, pinning gloo/NCCL to the task's own
+interface, a user's own DDP comm hook on every backend, and destroying a gloo process group at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, ClassVar, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.constants import default_pg_timeout
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from ds_lightning import _validation as check
+from ds_lightning.environments._interfaces import pin_socket_interfaces
+from ds_lightning.environments.rendezvous import rendezvous_store
+from ds_lightning.environments.tf_config import TFConfig, TFConfigEnvironment, TFConfigError
+
+__all__ = ["BACKENDS", "ClusterStrategy", "StartMethod"]
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+START_METHODS = ("popen", "spawn", "fork", "forkserver")
+BACKENDS = ("gloo", "nccl", "mpi", "ucc")
+_EXIT_HOOK_REGISTERED = False
+
+
+def check_launch_options(
+    strategy: str, timeout: object, start_method: object, process_group_backend: object
+) -> timedelta:
+    """Validate the launch options every multi-process strategy takes, naming the bad value and the fix.
+
+    Returns:
+        ``timeout`` as a ``timedelta`` (``None`` means torch's default, 30 minutes).
+
+    Raises:
+        ValueError: for a non-positive timeout, an unknown start method or an unknown backend.
+
+    """
+    duration = check.seconds("timeout", timeout, f"{strategy}(timeout=600)") if timeout is not None else None
+    check.choice("start_method", start_method, START_METHODS)
+    if process_group_backend is not None:
+        check.choice(
+            "process_group_backend", process_group_backend, BACKENDS, "or None to pick NCCL on CUDA and gloo otherwise"
+        )
+    return duration if duration is not None else default_pg_timeout
+
+
+def tf_config_in_use(env: ClusterEnvironment | None) -> TFConfig | None:
+    """The ``TF_CONFIG`` this process runs under: its environment's, or the variable's when no other was chosen."""
+    if isinstance(env, TFConfigEnvironment):
+        return env.config
+    if (env is None or type(env) is LightningEnvironment) and TFConfigEnvironment.detect():
+        return TFConfig.from_json(os.environ["TF_CONFIG"])
+    return None
+
+
+def check_tf_config(strategy_name: str, config: TFConfig, num_nodes: int, serves_parameters: bool = False) -> None:
+    """Refuse a ``TF_CONFIG`` cluster the strategy cannot run, naming the field and the fix.
+
+    Raises:
+        TFConfigError: for an ``evaluator`` task; for ``ps`` tasks or a ``ps`` job unless ``serves_parameters``, and
+            for no ``ps`` job when it does; for a ``num_nodes`` other than 1 or the number of training tasks.
+
+    """
+    if config.task_type == "evaluator":
+        raise TFConfigError(
+            f"TF_CONFIG field `task.type` is 'evaluator', which {strategy_name} does not run; evaluate with"
+            " `ds-train validate` outside the cluster instead."
+        )
+    if serves_parameters and not config.cluster.get("ps"):
+        raise TFConfigError(
+            f"TF_CONFIG has no `cluster.ps` job, so {strategy_name} has no parameter servers; list at least one"
+            ' ps task, e.g. "ps": ["10.0.0.3:2222"], and start it with the same ds-train command.'
+        )
+    if not serves_parameters and config.task_type == "ps":
+        raise TFConfigError(
+            f"TF_CONFIG field `task.type` is 'ps' (index {config.task_index}), but {strategy_name} has no parameter"
+            " servers. Start this task with strategy='ds_parameter_server', or remove it from the cluster."
+        )
+    if not serves_parameters and "ps" in config.cluster:
+        raise TFConfigError(
+            f"TF_CONFIG field `cluster.ps` lists {len(config.cluster['ps'])} parameter server(s), which {strategy_name}"
+            " would never use; remove `ps` from the cluster or use strategy='ds_parameter_server'."
+        )
+    tasks = config.num_training_tasks
+    if num_nodes not in (1, tasks):
+        raise TFConfigError(
+            f"TF_CONFIG lists {tasks} training task(s) (chief + workers) but Trainer(num_nodes={num_nodes});"
+            f" use num_nodes={tasks} or leave it at its default."
+        )
+
+
+def adopt_tf_config(
+    strategy_name: str, env: ClusterEnvironment | None, num_nodes: int, serves_parameters: bool = False
+) -> tuple[ClusterEnvironment | None, int]:
+    """Use ``TF_CONFIG`` when it is set and no more specific environment was chosen, and validate it.
+
+    Returns:
+        The environment to use (a training task's :class:`TFConfigEnvironment`; a ``ps`` task's is left as it was)
+        and the number of nodes (one per chief/worker task).
+
+    Raises:
+        TFConfigError: see :func:`check_tf_config`.
+
+    """
+    config = tf_config_in_use(env)
+    if config is None:
+        return env, num_nodes
+    check_tf_config(strategy_name, config, num_nodes, serves_parameters)
+    if config.is_training_task and not isinstance(env, TFConfigEnvironment):
+        env = TFConfigEnvironment()
+    return env, config.num_training_tasks
+
+
+def destroy_process_group_at_exit(backend: str) -> None:
+    """Destroy a non-NCCL default process group at interpreter exit.
+
+    Lightning does this for NCCL only; a gloo group left alive at exit can abort the process ("terminate called
+    without an active exception") after training has succeeded.
+    """
+    global _EXIT_HOOK_REGISTERED
+    if not _EXIT_HOOK_REGISTERED and backend != "nccl":
+        atexit.register(_destroy_dist_connection)
+        _EXIT_HOOK_REGISTERED = True
+
+
+def pin_interfaces(env: ClusterEnvironment | None) -> str | None:
+    """Under ``TF_CONFIG``, make gloo and NCCL use the interface that holds this task's address.
+
+    See :func:`~ds_lightning.environments.pin_socket_interfaces`; call before the process group starts.
+    """
+    if not isinstance(env, TFConfigEnvironment):
+        return None
+    return pin_socket_interfaces(env.config.own_address[0])
+
+
+def setup_distributed(strategy: DDPStrategy, spans_hosts: bool = False) -> None:
+    """``DDPStrategy.setup_distributed`` with rank 0's rendezvous store listening on the main address only.
+
+    ``spans_hosts`` says that tasks outside this process group (parameter servers) connect from other hosts; a run
+    of several nodes spans hosts anyway. Under torchrun (``TORCHELASTIC_USE_AGENT_STORE``) the agent already hosts the
+    store, so torch's own rendezvous runs.
+    """
+    reset_seed()
+    strategy.set_world_ranks()
+    strategy._process_group_backend = strategy._get_process_group_backend()
+    env = strategy.cluster_environment
+    assert env is not None
+    kwargs: dict[str, Any] = {"timeout": strategy._timeout}
+    if strategy.root_device.type != "cpu":
+        kwargs["device_id"] = strategy.root_device
+    if not dist.is_initialized() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        kwargs["store"] = rendezvous_store(
+            env.main_address,
+            env.main_port,
+            env.global_rank(),
+            env.world_size(),
+            strategy._timeout or default_pg_timeout,
+            spans_hosts=spans_hosts or strategy.num_nodes > 1,
+        )
+    _init_dist_connection(env, strategy._process_group_backend, **kwargs)
+
+
+class ClusterStrategy(DDPStrategy):
+    """Lightning's ``DDPStrategy`` with ds_lightning's cluster set-up; the base of the multi-process ds strategies.
+
+    Takes every argument ``DDPStrategy`` takes, in the same positions, and forwards extra keyword arguments to torch's
+    ``DistributedDataParallel`` as ``DDPStrategy`` does. On top of it:
+
+    - ``timeout`` is validated and may be a number of seconds or a ``timedelta``;
+    - with ``TF_CONFIG`` set (and no more specific environment chosen) each chief/worker task becomes one node, and a
+      cluster the strategy cannot run is refused with :class:`~ds_lightning.environments.TFConfigError`; a subclass
+      that sets :attr:`serves_parameters` accepts ``ps`` tasks (and requires a ``ps`` job) instead;
+    - rank 0's rendezvous store listens on the main address only (see :mod:`ds_lightning.environments.rendezvous`);
+    - under ``TF_CONFIG`` gloo and NCCL use the interface holding the task's own address;
+    - ``ddp_comm_hook`` (optionally wrapped by ``ddp_comm_wrapper``) is registered on every backend, not on CUDA only;
+    - a gloo process group is destroyed at exit (Lightning does this for NCCL only).
+
+    Args:
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer, or :class:`~ds_lightning.environments.TFConfigEnvironment`.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        ddp_comm_state: state passed to ``ddp_comm_hook`` (e.g. torch's ``PowerSGDState``).
+        ddp_comm_hook: a torch DDP communication hook ``hook(state, bucket) -> Future``.
+        ddp_comm_wrapper: wraps ``ddp_comm_hook`` (e.g. torch's ``fp16_compress_wrapper``); needs ``ddp_comm_hook``.
+        model_averaging_period: steps between model averages under torch's post-local SGD hook.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ``"mpi"`` or ``"ucc"``; ``None`` picks NCCL on CUDA, else gloo.
+        timeout: how long any collective may wait before the run fails instead of hanging: seconds (a number) or a
+            ``timedelta``; ``None`` means torch's default (30 minutes).
+        start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``/``"forkserver"``
+            use multiprocessing (like ``ddp_spawn``).
+        **kwargs: passed on to torch's ``DistributedDataParallel``, e.g. ``broadcast_buffers=False``.
+
+    Raises:
+        ValueError: for an invalid option, naming the value and the fix.
+
+    """
+
+    #: Whether ``TF_CONFIG`` ``ps`` tasks belong to this strategy (the parameter server sets it).
+    serves_parameters: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        **kwargs: Any,
+    ) -> None:
+        duration = check_launch_options(type(self).__name__, timeout, start_method, process_group_backend)
+        check.optional_integer(
+            "model_averaging_period", model_averaging_period, 1, f"{type(self).__name__}(model_averaging_period=4)"
+        )
+        if ddp_comm_wrapper is not None and ddp_comm_hook is None:
+            raise ValueError(
+                f"ddp_comm_wrapper={ddp_comm_wrapper!r} wraps ddp_comm_hook, which is None; pass ddp_comm_hook too"
+                " (e.g. torch's default_hooks.allreduce_hook) or drop ddp_comm_wrapper."
+            )
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            ddp_comm_state=ddp_comm_state,
+            ddp_comm_hook=ddp_comm_hook,
+            ddp_comm_wrapper=ddp_comm_wrapper,
+            model_averaging_period=model_averaging_period,
+            process_group_backend=process_group_backend,
+            timeout=duration,
+            start_method=start_method,
+            **kwargs,
+        )
+        self._tf_config: TFConfig | None = None
+
+    def _refuse_ddp_options(self, why: str) -> None:
+        """For a subclass that does not wrap the model in torch's DDP: refuse the options that would be ignored.
+
+        Raises:
+            ValueError: naming the first DDP option set and ``why`` it has no effect.
+
+        """
+        given = {
+            "ddp_comm_state": self._ddp_comm_state,
+            "ddp_comm_hook": self._ddp_comm_hook,
+            "ddp_comm_wrapper": self._ddp_comm_wrapper,
+            "model_averaging_period": self._model_averaging_period,
+            **self._ddp_kwargs,
+        }
+        for name, value in given.items():
+            if name in self._ddp_kwargs or value is not None:
+                raise ValueError(f"{type(self).__name__} got {name}={value!r}, but {why}; remove {name}.")
+
+    # --- TF_CONFIG ------------------------------------------------------------------------------------------------
+
+    @property
+    def tf_config(self) -> TFConfig | None:
+        """The ``TF_CONFIG`` this run adopted, once ranks are set (``None`` without one)."""
+        return self._tf_config
+
+    def adopt_cluster(self) -> TFConfig | None:
+        """Adopt ``TF_CONFIG``: set the environment and ``num_nodes`` from it after checking that it fits.
+
+        Called by :meth:`set_world_ranks`; safe to call again. A subclass with more to check (the number of servers)
+        calls this first and reads the result.
+
+        Returns:
+            The adopted config, or ``None`` when the run does not use ``TF_CONFIG``.
+
+        Raises:
+            TFConfigError: see :func:`check_tf_config`.
+
+        """
+        self._tf_config = tf_config_in_use(self.cluster_environment)
+        self.cluster_environment, self._num_nodes = adopt_tf_config(
+            self.strategy_name, self.cluster_environment, self._num_nodes, self.serves_parameters
+        )
+        return self._tf_config
+
+    @override
+    def set_world_ranks(self) -> None:
+        self.adopt_cluster()
+        super().set_world_ranks()
+
+    @property
+    def own_host(self) -> str | None:
+        """This task's host in ``TF_CONFIG`` (``None`` without one), the address gloo and NCCL bind to."""
+        config = self._tf_config or tf_config_in_use(self.cluster_environment)
+        return config.own_address[0] if config is not None else None
+
+    @property
+    def spans_hosts(self) -> bool:
+        """Whether the run's processes live on several hosts: several nodes, or ``TF_CONFIG`` tasks on several."""
+        config = self._tf_config
+        hosts = {host for tasks in config.cluster.values() for host, _ in tasks} if config is not None else set()
+        return self.num_nodes > 1 or len(hosts) > 1
+
+    # --- process group --------------------------------------------------------------------------------------------
+
+    @override
+    def setup_distributed(self) -> None:
+        setup_distributed(self, spans_hosts=self.spans_hosts)
+
+    @override
+    def setup_environment(self) -> None:
+        host = self.own_host
+        if host is not None:
+            pin_socket_interfaces(host)
+        super().setup_environment()
+        destroy_process_group_at_exit(self._get_process_group_backend())
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        # Lightning registers a comm hook on CUDA only; gloo runs them too.
+        if self._ddp_comm_hook is None:
+            return
+        assert isinstance(self.model, DistributedDataParallel)
+        hook = self._ddp_comm_hook
+        if self._ddp_comm_wrapper is not None:
+            hook = self._ddp_comm_wrapper(hook)
+        self.model.register_comm_hook(state=self._ddp_comm_state, hook=hook)
