@@ -4,6 +4,7 @@
 """
 
 from ds_lightning.environments import TFConfigEnvironment, TFConfigError
+from ds_lightning.parameter_server import ServerLostError
 from ds_lightning.strategies import (
     MirroredStrategy,
     ModelParallelStrategy,
@@ -19,6 +20,7 @@ __all__ = [
     "ModelParallelStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
+    "ServerLostError",
     "TFConfigEnvironment",
     "TFConfigError",
     "__version__",
