@@ -4,6 +4,7 @@
 """
 
 from ds_lightning.environments import TFConfigEnvironment, TFConfigError
+from ds_lightning.parameter_server import ServerLostError
 from ds_lightning.strategies import (
     ClusterStrategy,
     MirroredStrategy,
@@ -22,6 +23,7 @@ __all__ = [
     "ModelParallelStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
+    "ServerLostError",
     "ShapingUnsupportedError",
     "TFConfigEnvironment",
     "TFConfigError",

@@ -43,12 +43,15 @@ class Net(pl.LightningModule):
         lr: float = 0.1,
         hidden: int = 32,
         inf_at_step: int | None = None,
+        linear_loss: bool = False,
+        momentum: float = 0.9,
     ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(FEATURES, hidden), nn.Tanh(), nn.Linear(hidden, CLASSES))
-        self.optimizer, self.scheduler, self.lr = optimizer, scheduler, lr
+        self.optimizer, self.scheduler, self.lr, self.momentum = optimizer, scheduler, lr, momentum
         self.inf_at_step = inf_at_step  # the loss of this optimizer step is multiplied by inf: its gradients overflow
+        self.linear_loss = linear_loss  # the loss is the sum of the parameters: every gradient entry is exactly 1
         self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -57,6 +60,8 @@ class Net(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
+        if self.linear_loss:
+            loss = sum(p.sum() for p in self.parameters()) + 0 * loss
         self.losses.append(float(loss))
         self.log("train_loss", loss)
         return loss * float("inf") if self.trainer.global_step == self.inf_at_step else loss
@@ -68,11 +73,20 @@ class Net(pl.LightningModule):
         self.log("val_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
         self.log("rank_mean", float(self.global_rank), sync_dist=True)
 
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.log("test_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("test_acc", (logits.argmax(1) == y).float().mean(), sync_dist=True)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
     def configure_optimizers(self) -> Any:
         if self.optimizer == "adam":
             opt: torch.optim.Optimizer = torch.optim.Adam(self.parameters(), lr=self.lr)
         else:
-            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
         if self.scheduler == "step":
             sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
             return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
@@ -103,15 +117,28 @@ class Record(Callback):
         if stop and rank == stop["rank"] and step >= stop["step"]:
             trainer.should_stop = True
 
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+        slow = self.spec.get("slow_push")
+        if slow and trainer.global_rank == slow["rank"]:
+            time.sleep(slow["delay"])  # after this step's pull, before its push
+
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         late = self.spec.get("late_worker")
         if late and trainer.global_rank == late["rank"]:
             time.sleep(late["seconds"])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, *args: Any) -> None:
-        pull = getattr(trainer.strategy, "_last_pull", None)
+        step = getattr(trainer.strategy, "_step", None)
+        pull = step.last_pull if step is not None else None
         if pull is not None:
-            self.pulls.append({"step": trainer.global_step, "clocks": pull.clocks, "updates": pull.updates})
+            self.pulls.append(
+                {
+                    "step": trainer.global_step,
+                    "clocks": pull.clocks,
+                    "updates": pull.updates,
+                    "staleness_max": pull.staleness_max,
+                }
+            )
 
 
 def main(spec_path: str) -> None:
@@ -165,6 +192,16 @@ def main(spec_path: str) -> None:
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
     if rank == 0:
         torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, f"{out}.pt")
+    if spec.get("evaluate"):
+        # After fit, on the workers only (the servers ended with it): validate, test and predict in the same script.
+        evaluated = {
+            "validate": trainer.validate(model, val, verbose=False)[0],
+            "test": trainer.test(model, val, verbose=False)[0],
+        }
+        predictions = trainer.predict(model, val)
+        assert predictions is not None
+        torch.save(torch.cat(predictions), f"{out}.predictions.rank{rank}.pt")  # type: ignore[arg-type]
+        Path(f"{out}.evaluated.rank{rank}.json").write_text(json.dumps(evaluated))
 
 
 if __name__ == "__main__":

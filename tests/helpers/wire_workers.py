@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_lightning.ps.wire import FRAME_BYTES, recv_message, send_message
+from ds_lightning.parameter_server.wire import FRAME_BYTES, recv_message, send_message
 
 GROUP_TIMEOUT = timedelta(seconds=30)
 MAIN_TAG, ORDER_TAG, TAG_A, TAG_B, DONE_TAG, CAPACITY_TAG = 1, 2, 21, 22, 3, 4

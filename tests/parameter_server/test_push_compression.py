@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ds_lightning.ps.push_compression import PushCompressor, topk_count
+from ds_lightning.parameter_server.push_compression import PushCompressor, topk_count
 
 
 def test_none_round_trip_is_exact_and_sends_the_gradient_itself():

@@ -1,4 +1,4 @@
-"""A worker's side of the parameter-server protocol (see :mod:`ds_lightning.ps.server`)."""
+"""A worker's side of the parameter-server protocol (see :mod:`ds_lightning.parameter_server.server`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ds_lightning.ps.push_compression import PushCompressor
-from ds_lightning.ps.server import REPLY_TAG, REQUEST_TAG
-from ds_lightning.ps.sharding import ShardPlan
-from ds_lightning.ps.wire import Pending, channel_capacity, post_message, recv_message, send_message
+from ds_lightning.parameter_server.push_compression import PushCompressor
+from ds_lightning.parameter_server.server import REPLY_TAG, REQUEST_TAG
+from ds_lightning.parameter_server.sharding import ShardPlan
+from ds_lightning.parameter_server.wire import Pending, channel_capacity, post_message, recv_message, send_message
 
 
 class ServerLostError(RuntimeError):

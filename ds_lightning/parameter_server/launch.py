@@ -9,8 +9,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -21,12 +22,37 @@ from typing_extensions import override
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from ds_lightning.strategies.parameter_server import ParameterServerStrategy
-
 log = logging.getLogger(__name__)
 
 SERVER_ENV = "DS_PS_SERVER"
 _STARTED_ENV = "DS_PS_SERVERS_STARTED"
+
+
+class LaunchedStrategy(Protocol):
+    """What the launchers need of the strategy (``ParameterServerStrategy``), without importing it."""
+
+    cluster_environment: ClusterEnvironment | None
+    fitting: bool
+    num_servers: int
+
+    @property
+    def num_processes(self) -> int:
+        """Workers on this node."""
+        ...
+
+    @property
+    def num_nodes(self) -> int:
+        """Training tasks."""
+        ...
+
+    @property
+    def starts_local_servers(self) -> bool:
+        """Whether the chief starts the servers on this machine."""
+        ...
+
+    def check_model(self, trainer: pl.Trainer) -> None:
+        """Refuse a model the servers cannot train."""
+        ...
 
 
 class ServingFinished(Exception):
@@ -40,7 +66,7 @@ class WorkerLauncher(_SubprocessScriptLauncher):
     lost server makes every worker raise by itself.
     """
 
-    def __init__(self, strategy: ParameterServerStrategy) -> None:
+    def __init__(self, strategy: LaunchedStrategy) -> None:
         assert strategy.cluster_environment is not None
         super().__init__(strategy.cluster_environment, strategy.num_processes, strategy.num_nodes)
         self._strategy = strategy
@@ -49,7 +75,7 @@ class WorkerLauncher(_SubprocessScriptLauncher):
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-        self._strategy._fitting = fitting
+        self._strategy.fitting = fitting
         if fitting and trainer is not None:
             self._strategy.check_model(trainer)  # before any process starts
         self.cluster_environment.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
@@ -90,7 +116,7 @@ class WorkerLauncher(_SubprocessScriptLauncher):
 class ServerLauncher(_Launcher):
     """Runs a server process's ``fit`` up to the strategy's ``setup``, where it serves, and returns nothing."""
 
-    def __init__(self, strategy: ParameterServerStrategy) -> None:
+    def __init__(self, strategy: LaunchedStrategy) -> None:
         self._strategy = strategy
 
     @property
@@ -102,7 +128,7 @@ class ServerLauncher(_Launcher):
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if trainer is None or trainer.state.fn != TrainerFn.FITTING:
             return None  # servers exist only while workers fit; the workers validate, test and predict
-        self._strategy._fitting = True
+        self._strategy.fitting = True
         _set_num_threads_if_needed(num_processes=1)
         bound = inspect.signature(function).bind(*args, **kwargs)
         if "ckpt_path" in bound.arguments:

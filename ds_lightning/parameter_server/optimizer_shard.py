@@ -2,9 +2,10 @@
 
 A server calls ``configure_optimizers`` on its own copy of the model, exactly as a worker would. That optimizer never
 steps: it and the user's LR schedulers only hold the hyperparameters. :class:`ShardOptimizer` builds an optimizer of
-the same class over the server's pieces of the parameters (row blocks, see :mod:`ds_lightning.ps.sharding`) and copies
-the current hyperparameters into it before every step. That is exact for optimizers whose update is elementwise,
-which :data:`ELEMENTWISE_OPTIMIZERS` lists; the rest are refused by :func:`check_server_optimizer`.
+the same class over the server's pieces of the parameters (row blocks, see
+:mod:`ds_lightning.parameter_server.sharding`) and copies the current hyperparameters into it before every step.
+That is exact for optimizers whose update is elementwise, which :data:`ELEMENTWISE_OPTIMIZERS` lists; the rest are
+refused by :func:`check_server_optimizer`.
 
 Optimizer state leaves a server as tensors with a JSON description (never pickled) and is consolidated into the
 single-device ``optimizer.state_dict()`` format, so a plain ``Trainer`` resumes from the checkpoint.
@@ -16,9 +17,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from torch import Tensor, nn
 
-from ds_lightning.ps.sharding import ShardPlan
+from ds_lightning.parameter_server.sharding import ShardPlan
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -34,6 +36,35 @@ ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.Rprop,
 )
 _NAMES = ", ".join(cls.__name__ for cls in ELEMENTWISE_OPTIMIZERS)
+
+
+def check_trainable_model(trainer: Any) -> None:
+    """Refuse a model the servers cannot train, before any process starts.
+
+    Raises:
+        ValueError: for no trainable parameters, manual optimization, or an optimizer set-up the servers cannot
+            rebuild (also checked again at setup, where ``configure_optimizers`` surely works).
+
+    """
+    model = trainer.lightning_module
+    if model is None:
+        return
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "ds_parameter_server: the model has no trainable parameters, so the servers would have nothing to"
+            " hold. Check requires_grad (a frozen backbone needs at least one trainable layer)."
+        )
+    if not model.automatic_optimization:
+        check_server_optimizer([], [], automatic_optimization=False)
+    try:
+        model.trainer = trainer
+        returned = model.configure_optimizers()
+    except Exception:  # configure_optimizers may need the data; setup checks again then
+        return
+    # Lightning's own parser, without its validation: several optimizers must get our message, not Lightning's.
+    optimizers, schedulers, monitor = _configure_optimizers(returned)
+    configs = _configure_schedulers_automatic_opt(schedulers, monitor)
+    check_server_optimizer(optimizers, configs, automatic_optimization=True)
 
 
 def check_server_optimizer(optimizers: Sequence[Any], schedulers: Sequence[Any], automatic_optimization: bool) -> None:

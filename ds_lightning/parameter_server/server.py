@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ds_lightning.ps.optimizer_shard import ShardOptimizer
-from ds_lightning.ps.push_compression import PushCompressor
-from ds_lightning.ps.staleness import StalenessClock, StalenessStats, SyncAccumulator, staleness_lr_factor
-from ds_lightning.ps.wire import Pending, channel_capacity, post_message, recv_message
+from ds_lightning.parameter_server.optimizer_shard import ShardOptimizer
+from ds_lightning.parameter_server.push_compression import PushCompressor
+from ds_lightning.parameter_server.staleness import StalenessClock, StalenessStats, SyncAccumulator, staleness_lr_factor
+from ds_lightning.parameter_server.wire import Pending, channel_capacity, post_message, recv_message
 
 log = logging.getLogger(__name__)
 
@@ -345,19 +345,19 @@ class ParameterServer:
             "state_entries": entries,
             "n_state": len(state),
             "param_groups": [
-                _jsonable({k: v for k, v in g.items() if k != "params"}) for g in self.shard.template.param_groups
+                jsonable({k: v for k, v in g.items() if k != "params"}) for g in self.shard.template.param_groups
             ],
-            "schedulers": [_jsonable(slot.scheduler.state_dict()) for slot in self.schedulers],
+            "schedulers": [jsonable(slot.scheduler.state_dict()) for slot in self.schedulers],
         }
         self._post(worker, answer, [self.shard.flat, *state])
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
     """Scheduler state as JSON: tensors become lists, functions (LambdaLR's) become None."""
     if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
+        return {str(k): jsonable(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
+        return [jsonable(v) for v in value]
     if isinstance(value, Tensor):
         return value.tolist()
     if isinstance(value, (int, float, str, bool)) or value is None:

@@ -10,14 +10,14 @@ import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from ds_lightning.ps.optimizer_shard import (
+from ds_lightning.parameter_server.optimizer_shard import (
     ELEMENTWISE_OPTIMIZERS,
     ShardOptimizer,
     check_server_optimizer,
     consolidate_state,
     split_full_state,
 )
-from ds_lightning.ps.sharding import ShardPlan, plan_shards
+from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
 
 MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from ds_lightning.ps.staleness import (
+from ds_lightning.parameter_server.staleness import (
     STALENESS_BINS,
     StalenessClock,
     StalenessStats,

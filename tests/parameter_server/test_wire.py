@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ds_lightning.ps.wire import FRAME_BYTES
+from ds_lightning.parameter_server.wire import FRAME_BYTES
 from tests.helpers import wire_workers
 from tests.helpers.runner import free_port
 

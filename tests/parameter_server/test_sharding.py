@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ds_lightning.ps.sharding import ShardPlan, ShardSlice, plan_shards
+from ds_lightning.parameter_server.sharding import ShardPlan, ShardSlice, plan_shards
 
 KIB = 1024
 

@@ -1,1 +1,0 @@
-"""Parameter-server building blocks: sharding, staleness clock, compression; tensors only on the wire."""
