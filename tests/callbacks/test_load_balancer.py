@@ -118,22 +118,22 @@ def _args(tmp_path: Path, out: Path, balancer: list[str], model: list[str], step
 
 
 @pytest.mark.parametrize(
-    "global_batch",
+    ("balancer_batch", "loader_batch"),
     [
-        ["--trainer.callbacks.global_batch_size=48"],
-        ["--data.batch_size=24"],  # DynamicLoadBalancer() takes 24 per rank x 2 ranks
+        (["--trainer.callbacks.global_batch_size=48"], []),
+        ([], ["--data.batch_size=24"]),  # DynamicLoadBalancer() takes 24 per rank x 2 ranks
     ],
     ids=["explicit", "default-from-loader"],
 )
-def test_forced_uneven_shares_match_one_process_on_the_global_batch(tmp_path, global_batch):
+def test_forced_uneven_shares_match_one_process_on_the_global_batch(tmp_path, balancer_batch, loader_batch):
     steps, lr = 8, 0.2
     out = tmp_path / "run"
     ds_train(
         _args(
             tmp_path,
             out,
-            ["--trainer.callbacks.interval=0", "--trainer.callbacks.initial_shares=[3, 1]"],
-            [f"--model.lr={lr}", *global_batch],
+            ["--trainer.callbacks.interval=0", "--trainer.callbacks.initial_shares=[3, 1]", *balancer_batch],
+            [f"--model.lr={lr}", *loader_batch],
             steps,
         )
     )

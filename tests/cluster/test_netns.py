@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 import pytest
 
-from tests.cluster import conftest as cluster_conftest
-from tests.cluster.conftest import cluster_unavailable, default_search_path, require_cluster, unavailable_action
 from ds_lightning.testing.netns import (
     BENCHMARK_NETWORK,
     Cluster,
@@ -24,6 +22,8 @@ from ds_lightning.testing.netns import (
     missing_requirements,
     netem_available,
 )
+from tests.cluster import conftest as cluster_conftest
+from tests.cluster.conftest import cluster_unavailable, default_search_path, require_cluster, unavailable_action
 
 MakeCluster = Callable[[int], Cluster]
 
