@@ -8,7 +8,7 @@ DOCS_STAMP := $(VENV)/.ds_lightning-docs-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup cluster-tools demo test test-versions lint docs bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster clean
+.PHONY: setup cluster-tools demo test test-gpu test-versions lint docs bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,16 @@ test: setup cluster-tools
 
 # The declared dependency ranges at their ends (and the pinned venv): every example config and every strategy, on
 # venvs cached under ~/.cache/ds_lightning/versions. Writes runs/versions/matrix.md.
+# The CUDA tests (tests/gpu, marked `cuda`) and the precision benchmark's quick mode, on a GPU machine (under 10
+# minutes on one H200). No visible CUDA device is an error here, not a skip. A GPU box may need TORCH_SPEC set to a
+# CUDA build of torch, e.g. TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128".
+test-gpu: setup
+	@$(PY) -c "import sys, torch; n = torch.cuda.device_count() if torch.cuda.is_available() else 0; \
+	  print(f'test-gpu: {n} CUDA device(s), torch {torch.__version__}, CUDA build {torch.version.cuda}'); \
+	  sys.exit(0 if n else 'test-gpu: FAILED: no CUDA device is visible (torch.cuda.is_available() is False)')"
+	DS_LIGHTNING_REQUIRE_CUDA=1 $(PY) -m pytest -m cuda tests/gpu $(PYTEST_ARGS)
+	$(PY) benchmarks/precision.py --quick
+
 test-versions: setup
 	bash .ci/versions
 
