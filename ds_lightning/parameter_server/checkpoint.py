@@ -65,6 +65,7 @@ def consolidated_state(
     optimizer: Optimizer,
     index: dict[str, int],
     progress: dict[str, Any],
+    replies: list[tuple[dict[str, Any], list[Tensor]]] | None = None,
 ) -> dict[str, Any]:
     """Ask every server for its shard; return the parameters, optimizer state, schedulers and progress of the run.
 
@@ -75,9 +76,11 @@ def consolidated_state(
         optimizer: the worker's optimizer, whose param groups the state dict takes.
         index: each parameter's index in the optimizer state (:func:`index_of`).
         progress: extra fields for the checkpoint's progress entry (servers, workers, staleness bound).
+        replies: the servers' states when already fetched (the final ones come with ``done``); else asked for.
 
     """
-    replies = client.state()
+    if replies is None:
+        replies = client.state()
     values = {n: p.detach().clone() for n, p in params.items()}
     shards = []
     for server, (header, tensors) in enumerate(replies):

@@ -137,6 +137,11 @@ class ServerClient:
     def pull(self, params: Mapping[str, Tensor], op: str = "pull", step: int = 0, epoch: int = 0) -> PullResult:
         """Fetch every shard into ``params`` (``op`` ``"pull"`` waits for the staleness rule, ``"peek"`` does not)."""
         replies = self._ask_all({"op": op, "step": step, "epoch": epoch}, f"pulling parameters ({op})")
+        return self._read_params(replies, params)
+
+    def _read_params(
+        self, replies: list[tuple[dict[str, Any], list[Tensor], int]], params: Mapping[str, Tensor]
+    ) -> PullResult:
         result = PullResult()
         for server, (header, tensors, nbytes) in enumerate(replies):
             self.bytes_pulled += nbytes
@@ -193,6 +198,22 @@ class ServerClient:
         """Every server's shard, optimizer state, scheduler state and progress (chief only)."""
         return [(header, tensors) for header, tensors, _ in self._ask_all({"op": "state"}, "saving a checkpoint")]
 
-    def done(self, params: Mapping[str, Tensor], step: int, epoch: int) -> PullResult:
-        """Tell every server this worker finished, and fetch the final parameters into ``params``."""
-        return self.pull(params, op="done", step=step, epoch=epoch)
+    def done(
+        self, params: Mapping[str, Tensor], step: int, epoch: int, with_state: bool = False
+    ) -> tuple[PullResult, list[tuple[dict[str, Any], list[Tensor]]]]:
+        """Tell every server this worker finished; once every worker has, fetch the final parameters into ``params``.
+
+        Args:
+            params: the worker's parameters, overwritten with the servers' final values.
+            step: this worker's last step.
+            epoch: this worker's last epoch.
+            with_state: also return every server's state, as :meth:`state` does (the chief's final checkpoint).
+
+        Returns:
+            The pull's result, and the servers' states (empty without ``with_state``).
+
+        """
+        header = {"op": "done", "step": step, "epoch": epoch, "with_state": with_state}
+        replies = self._ask_all(header, "finishing (the servers answer once every worker has finished)")
+        result = self._read_params(replies, params)
+        return result, [(header, tensors) for header, tensors, _ in replies] if with_state else []

@@ -14,7 +14,9 @@ Requests (``op`` in the header), all from worker ``w``:
   pull, answered like ``pull``, so the answer is on its way while the worker finishes its step.
 * ``state``: everything a checkpoint needs.
 * ``status``: which workers are alive.
-* ``done``: ``w`` finished; answer with the final shard (under ``max_staleness=0`` once its last push is applied).
+* ``done``: ``w`` finished; answer with the final shard once every worker finished or was lost, so each worker ends
+  ``fit`` holding the same final parameters (with ``with_state``, also what ``state`` answers: the chief's last
+  checkpoint).
 """
 
 from __future__ import annotations
@@ -284,12 +286,12 @@ class ParameterServer:
     # --- answering ------------------------------------------------------------------------------------------------
 
     def _may_answer(self, worker: int, header: dict[str, Any]) -> bool:
+        if header.get("op") == "done":
+            return not self._running()  # retired on arrival: the others' rules no longer wait for this worker
         if self.max_staleness is None:
             return True
         if self.max_staleness == 0:
             return self.version >= self._base_clock + self.clock.clocks[worker]
-        if header.get("op") == "done":
-            return True
         return self.clock.may_start(worker)
 
     def _answer_deferred(self) -> None:
@@ -326,6 +328,10 @@ class ParameterServer:
         }
         self.window[worker] = StalenessStats()
         tensors = [self.shard.flat] if with_params else []
+        if header.get("with_state"):
+            fields, state = self._state_fields()
+            answer.update({k: v for k, v in fields.items() if k not in answer})
+            tensors += state
         try:
             self._post(worker, answer, tensors)
         except Exception as error:
@@ -333,9 +339,12 @@ class ParameterServer:
             log.warning("parameter server %d could not answer worker %d: %s", self.server, worker, error)
 
     def _send_state(self, worker: int) -> None:
+        answer, state = self._state_fields()
+        self._post(worker, {"op": "state", **answer}, [self.shard.flat, *state])
+
+    def _state_fields(self) -> tuple[dict[str, Any], list[Tensor]]:
         entries, state = self.shard.export_state()
         answer = {
-            "op": "state",
             "version": self.version,
             "updates": self.updates,
             "epoch": self.epochs_done,
@@ -349,7 +358,7 @@ class ParameterServer:
             ],
             "schedulers": [jsonable(slot.scheduler.state_dict()) for slot in self.schedulers],
         }
-        self._post(worker, answer, [self.shard.flat, *state])
+        return answer, state
 
 
 def jsonable(value: Any) -> Any:

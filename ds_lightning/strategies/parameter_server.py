@@ -386,10 +386,13 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
         self._training = False
         if self._client is None or self._finished:
             return
-        if self.is_global_zero:
-            self._final_state = self._consolidated_state()
         trainer = self._trainer()
-        self._client.done(self._params, step=trainer.global_step, epoch=trainer.current_epoch)
+        # Answered once every worker finished: each ends fit with the final parameters, the chief with the state too.
+        _, states = self._client.done(
+            self._params, step=trainer.global_step, epoch=trainer.current_epoch, with_state=self.is_global_zero
+        )
+        if self.is_global_zero:
+            self._final_state = self._consolidated_state(states)
         self._finished = True
 
     @override
@@ -425,12 +428,12 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
         assert self.lightning_module is not None
         return index_of(self.lightning_module, self.optimizers[0])
 
-    def _consolidated_state(self) -> dict[str, Any]:
+    def _consolidated_state(self, replies: list[tuple[dict[str, Any], list[Tensor]]] | None = None) -> dict[str, Any]:
         assert self._client is not None and self._plan is not None
         progress = {"num_servers": self.num_servers, "num_workers": self.num_workers}
         progress["max_staleness"] = self.max_staleness
         return consolidated_state(
-            self._client, self._plan, self._params, self.optimizers[0], self._index_of(), progress
+            self._client, self._plan, self._params, self.optimizers[0], self._index_of(), progress, replies
         )
 
     @override

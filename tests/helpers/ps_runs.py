@@ -187,6 +187,7 @@ def main(spec_path: str) -> None:
         "losses": model.losses,
         "pulls": record.pulls,
         "global_step": trainer.global_step,
+        "param_sum": float(sum(p.detach().double().sum() for p in model.parameters())),
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
     }
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(result))
