@@ -185,8 +185,8 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
     import torch.distributed as dist
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
-    from ds_lightning.pipelining.trace import SpanRecorder
-    from ds_lightning.strategies._pipe_module import TracedStage
+    from ds_lightning.pipeline.stage import TracedStage
+    from ds_lightning.pipeline.trace import SpanRecorder
 
     torch.set_num_threads(1)
     p = spec["procs"]

@@ -41,7 +41,7 @@ WORKER = HERE / "_pipeline_worker.py"
 
 sys.path.insert(0, str(REPO))
 
-from ds_lightning.pipelining.trace import SpanRecorder, bubble_fraction, render_timeline_png, write_chrome_trace  # noqa: E402
+from ds_lightning.pipeline.trace import SpanRecorder, bubble_fraction, render_timeline_png, write_chrome_trace  # noqa: E402
 
 SCHEDULES = ("GPipe", "1F1B")
 IMPLS = ("hand", "ds")

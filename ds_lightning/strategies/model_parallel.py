@@ -23,9 +23,9 @@ from torch.optim import Optimizer
 from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
-from ds_lightning.pipelining.clock import clock_cycles
-from ds_lightning.pipelining.partition import partition_by_cost, resolve_balance, stage_layer_ranges
-from ds_lightning.pipelining.profile import profile_layers
+from ds_lightning.pipeline.clock import clock_cycles
+from ds_lightning.pipeline.partition import partition_by_cost, resolve_balance, stage_layer_ranges
+from ds_lightning.pipeline.profile import profile_layers
 
 __all__ = ["ModelParallelStrategy"]
 

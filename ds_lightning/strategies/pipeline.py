@@ -24,18 +24,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_lightning.pipelining.layout import PipelineLayout
-from ds_lightning.pipelining.partition import partition_by_cost, resolve_balance, stage_layer_ranges
-from ds_lightning.pipelining.profile import profile_layers
-from ds_lightning.pipelining.schedules import (
+from ds_lightning.pipeline import state as pipe_state
+from ds_lightning.pipeline.layout import PipelineLayout
+from ds_lightning.pipeline.partition import partition_by_cost, resolve_balance, stage_layer_ranges
+from ds_lightning.pipeline.profile import profile_layers
+from ds_lightning.pipeline.schedules import (
     ScheduleName,
     canonical_name,
     check_microbatches,
     make_forward_only,
     schedule_spec,
 )
-from ds_lightning.pipelining.trace import SpanRecorder, render_timeline_png, write_chrome_trace
-from ds_lightning.strategies import _pipe_state
+from ds_lightning.pipeline.stage import PipelinedSequential, StageModule, TracedStage
+from ds_lightning.pipeline.trace import SpanRecorder, render_timeline_png, write_chrome_trace
 from ds_lightning.strategies._cluster import (
     StartMethod,
     adopt_tf_config,
@@ -43,7 +44,6 @@ from ds_lightning.strategies._cluster import (
     destroy_process_group_at_exit,
     pin_interfaces,
 )
-from ds_lightning.strategies._pipe_module import PipelinedSequential, StageModule, TracedStage
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies._rendezvous import setup_distributed
 
@@ -473,11 +473,11 @@ class PipelineStrategy(DDPStrategy):
 
     def _gather_optimizer_groups(self) -> None:
         names = self._names_by_param()
-        local = [_pipe_state.group_names(opt, names) for opt in self.optimizers]
+        local = [pipe_state.group_names(opt, names) for opt in self.optimizers]
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, local)
         self._full_groups = [
-            _pipe_state.full_group_names([stage[i] for stage in gathered], self._param_names)
+            pipe_state.full_group_names([stage[i] for stage in gathered], self._param_names)
             for i in range(len(self.optimizers))
         ]
 
@@ -732,7 +732,7 @@ class PipelineStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         raw = getattr(optimizer, "_optimizer", optimizer)
         index = next(i for i, opt in enumerate(self.optimizers) if opt is raw or opt is optimizer)
-        named = _pipe_state.named_state(raw, self._names_by_param())
+        named = pipe_state.named_state(raw, self._names_by_param())
         named = {
             "param_groups": named["param_groups"],
             "state": {
@@ -740,14 +740,14 @@ class PipelineStrategy(DDPStrategy):
                 for k, s in named["state"].items()
             },
         }
-        return _pipe_state.consolidate(self._gather(named), self._full_groups[index])
+        return pipe_state.consolidate(self._gather(named), self._full_groups[index])
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         names = self._names_by_param()
         for index, (optimizer, full) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"], strict=False)):
-            local_groups = _pipe_state.group_names(optimizer, names)
-            optimizer.load_state_dict(_pipe_state.localize(full, self._full_groups[index], local_groups))
+            local_groups = pipe_state.group_names(optimizer, names)
+            optimizer.load_state_dict(pipe_state.localize(full, self._full_groups[index], local_groups))
             _optimizers_to_device([optimizer], self.root_device)
 
     # --- end of training ------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
-from ds_lightning.pipelining.clock import clock_cycles
+from ds_lightning.pipeline.clock import clock_cycles
 from ds_lightning.strategies.model_parallel import ModelParallelStrategy, _MicroBatchedSequential
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}

@@ -15,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import ds_lightning
-from ds_lightning.pipelining import PipelineLayout
-from ds_lightning.pipelining.schedules import SCHEDULES
+from ds_lightning.pipeline import PipelineLayout
+from ds_lightning.pipeline.schedules import SCHEDULES
 from tests.helpers.pipeline_runs import PipeMLP, SequentialData, make_data
 from tests.helpers.runner import CONFIGS, REPO, ds_train, quiet_trainer_args, worker_env
 

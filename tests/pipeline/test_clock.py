@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds_lightning.pipelining.clock import clock_cycles
+from ds_lightning.pipeline.clock import clock_cycles
 
 
 def test_three_microbatches_two_stages_exactly():

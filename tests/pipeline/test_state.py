@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from ds_lightning.strategies import _pipe_state
+from ds_lightning.pipeline import state as pipe_state
 
 
 def _trained(model: nn.Module, groups) -> torch.optim.Optimizer:
@@ -42,10 +42,10 @@ def test_consolidated_stage_states_equal_the_whole_models_state_and_split_back()
     for opt in opts:
         opt.step()
 
-    per_stage_groups = [_pipe_state.group_names(opt, stage_names) for opt in opts]
-    full_groups = _pipe_state.full_group_names(per_stage_groups, order)
+    per_stage_groups = [pipe_state.group_names(opt, stage_names) for opt in opts]
+    full_groups = pipe_state.full_group_names(per_stage_groups, order)
     assert full_groups == [["0.weight", "1.weight", "2.weight"], ["0.bias", "1.bias", "2.bias"]]
-    merged = _pipe_state.consolidate([_pipe_state.named_state(opt, stage_names) for opt in opts], full_groups)
+    merged = pipe_state.consolidate([pipe_state.named_state(opt, stage_names) for opt in opts], full_groups)
 
     assert [g["params"] for g in merged["param_groups"]] == [g["params"] for g in expected["param_groups"]]
     assert [g["weight_decay"] for g in merged["param_groups"]] == [0.1, 0.0]
@@ -59,7 +59,7 @@ def test_consolidated_stage_states_equal_the_whole_models_state_and_split_back()
     # Split for a different layout: three stages of one layer each.
     for layer in range(3):
         local_groups = [[f"{layer}.weight"], [f"{layer}.bias"]]
-        local = _pipe_state.localize(merged, full_groups, local_groups)
+        local = pipe_state.localize(merged, full_groups, local_groups)
         assert [g["params"] for g in local["param_groups"]] == [[0], [1]]
         torch.testing.assert_close(
             local["state"][0]["exp_avg"], expected["state"][full_groups[0].index(f"{layer}.weight")]["exp_avg"]
@@ -70,9 +70,9 @@ def test_consolidated_stage_states_equal_the_whole_models_state_and_split_back()
 def test_mismatched_group_sizes_are_refused_with_both_shapes():
     full = {"state": {}, "param_groups": [{"params": [0, 1], "lr": 0.1}]}
     with pytest.raises(ValueError, match=r"sizes \[2\].* gives \[3\]"):
-        _pipe_state.localize(full, [["a", "b", "c"]], [["a"]])
+        pipe_state.localize(full, [["a", "b", "c"]], [["a"]])
 
 
 def test_stages_with_different_group_counts_are_refused():
     with pytest.raises(ValueError, match="different numbers of optimizer param groups"):
-        _pipe_state.full_group_names([[["a"]], [["b"], ["c"]]], ["a", "b", "c"])
+        pipe_state.full_group_names([[["a"]], [["b"], ["c"]]], ["a", "b", "c"])

@@ -10,7 +10,7 @@ from fractions import Fraction
 
 import pytest
 
-from ds_lightning.pipelining.trace import (
+from ds_lightning.pipeline.trace import (
     Span,
     SpanRecorder,
     bubble_fraction,
@@ -302,7 +302,7 @@ def test_render_timeline_png_without_matplotlib_says_how_to_install(tmp_path, mo
 def test_importing_trace_does_not_import_matplotlib():
     import subprocess
 
-    import ds_lightning.pipelining.trace as trace
+    import ds_lightning.pipeline.trace as trace
 
     # load the module file alone: the rest of the package (Lightning) may import matplotlib itself
     code = (

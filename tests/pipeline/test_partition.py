@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from ds_lightning.pipelining import partition_by_cost, resolve_balance, stage_layer_ranges
+from ds_lightning.pipeline import partition_by_cost, resolve_balance, stage_layer_ranges
 
 
 def test_equal_balance_gives_the_remainder_to_the_first_stages():

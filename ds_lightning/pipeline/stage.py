@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.utils.checkpoint import checkpoint
+from typing_extensions import override
 
-from ds_lightning.pipelining.trace import SpanRecorder
+from ds_lightning.pipeline.trace import SpanRecorder
 
 
 class StageModule(nn.Module):
@@ -91,12 +92,14 @@ class TracedStage(PipelineStage):
         super().__init__(*args, **kwargs)
         self._recorder = recorder
 
+    @override
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self._recorder is None:
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
         with self._recorder.span("forward", self.stage_index, fwd_chunk_id):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
+    @override
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
         if self._recorder is None or not self.has_backward:
             return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
@@ -104,6 +107,7 @@ class TracedStage(PipelineStage):
         with self._recorder.span(kind, self.stage_index, bwd_chunk_id):
             return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
 
+    @override
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self._recorder is None or not self.has_backward:
             return super().backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs)
