@@ -3,6 +3,46 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
+
+__all__ = ["check_balance", "partition_by_cost", "resolve_balance", "stage_layer_ranges"]
+
+
+def check_balance(balance: object, n_stages: int | None = None) -> list[int] | Literal["auto"] | None:
+    """Validate the ``balance`` option of a strategy when it is built, before the layer count is known.
+
+    Args:
+        balance: ``None``, ``"auto"`` or a list of layers per stage.
+        n_stages: the number of stages when the options already fix it (one per device), else ``None``.
+
+    Returns:
+        ``balance``, a list copy for a list.
+
+    Raises:
+        ValueError: naming the value and the fix.
+
+    """
+    if balance is None or balance == "auto":
+        return balance  # type: ignore[return-value]
+    example = f"balance={[1] * n_stages}" if n_stages else "balance=[3, 2]"
+    if isinstance(balance, str) or not isinstance(balance, Sequence):
+        raise ValueError(
+            f"balance={balance!r} must be None (equal layer counts), 'auto' (split by measured layer time) or one"
+            f" layer count per stage, e.g. {example}."
+        )
+    entries = list(balance)
+    bad = [b for b in entries if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if bad:
+        raise ValueError(
+            f"balance={entries!r} must hold positive integers (layers per stage), but balance entries={bad[0]!r} is"
+            f" not one; use e.g. {example}."
+        )
+    if n_stages is not None and len(entries) != n_stages:
+        raise ValueError(
+            f"balance={entries!r} has {len(entries)} entries but devices name {n_stages} stages; give one layer count"
+            f" per device, e.g. {example}."
+        )
+    return entries
 
 
 def resolve_balance(n_layers: int, n_stages: int, balance: Sequence[int] | None) -> list[int]:

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from ds_lightning.pipeline.partition import partition_by_cost, resolve_balance, stage_layer_ranges
+
+__all__ = ["LayerProfile", "auto_balance", "profile_layers"]
 
 
 @dataclass(frozen=True)
@@ -76,3 +80,41 @@ def profile_layers(
         layer.to(home)
         x = out.detach()
     return profiles
+
+
+def auto_balance(
+    layers: Sequence[nn.Module],
+    sample: torch.Tensor,
+    device: torch.device,
+    n_stages: int,
+    agree: Callable[[list[float]], list[float]] | None = None,
+) -> tuple[list[int], str]:
+    """``balance="auto"``: profile every layer on ``sample`` and split them to minimise the slowest stage.
+
+    Args:
+        layers: the ``nn.Sequential``'s layers.
+        sample: the input of the first layer.
+        device: where to time them.
+        n_stages: stages to split into.
+        agree: turns this process's per-layer seconds into the ones every process uses (e.g. their average), so
+            that every rank chooses the same split.
+
+    Returns:
+        The layers of each stage, and a one-line table of each stage's layers, time and memory for the log.
+
+    Raises:
+        ValueError: if there are more stages than layers.
+
+    """
+    resolve_balance(len(layers), n_stages, None)
+    profiles = profile_layers(layers, sample, device)
+    costs = [p.seconds for p in profiles]
+    if agree is not None:
+        costs = agree(costs)
+    balance = partition_by_cost(costs, n_stages)
+    table = ", ".join(
+        f"stage {s}: layers {r.start}-{r.stop - 1} {sum(costs[i] for i in r) * 1e3:.2f} ms "
+        f"{sum(profiles[i].memory_bytes for i in r) / 2**20:.1f} MiB"
+        for s, r in enumerate(stage_layer_ranges(balance))
+    )
+    return balance, table

@@ -8,6 +8,19 @@ from typing import Literal
 import torch
 from torch.distributed.pipelining import schedules as _torch_schedules
 
+from ds_lightning import _validation as check
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleName",
+    "ScheduleSpec",
+    "canonical_name",
+    "check_microbatches",
+    "make_forward_only",
+    "resolve_stages_per_rank",
+    "schedule_spec",
+]
+
 ScheduleName = Literal[
     "GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"
 ]
@@ -67,6 +80,31 @@ def canonical_name(name: str) -> str:
     """The torch spelling of a schedule name (``"gpipe" -> "GPipe"``)."""
     spec = schedule_spec(name)
     return next(key for key, value in SCHEDULES.items() if value is spec)
+
+
+def resolve_stages_per_rank(name: str, stages_per_rank: int | None) -> int:
+    """The stages each process runs under a schedule: ``None`` picks 2 for multi-stage schedules, else 1.
+
+    Raises:
+        ValueError: for a count the schedule cannot run, naming the schedule and the fix.
+
+    """
+    spec = schedule_spec(name)
+    default = 2 if spec.multi_stage else 1
+    if stages_per_rank is None:
+        return default
+    check.integer("stages_per_rank", stages_per_rank, 1, f"PipelineStrategy(stages_per_rank={default})")
+    if not spec.multi_stage and stages_per_rank != 1:
+        raise ValueError(
+            f"schedule={canonical_name(name)!r} runs one stage per process, but stages_per_rank={stages_per_rank}; use "
+            "schedule='Interleaved1F1B' (or another multi-stage schedule) for several stages per process."
+        )
+    if spec.style == "v" and stages_per_rank != 2:
+        raise ValueError(
+            f"schedule={canonical_name(name)!r} runs exactly 2 stages per process (a V shape), but "
+            f"stages_per_rank={stages_per_rank}; leave stages_per_rank unset."
+        )
+    return stages_per_rank
 
 
 def check_microbatches(name: str, n_microbatches: int, stages: int, pipeline_size: int) -> None:

@@ -12,8 +12,22 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
+
+__all__ = [
+    "consolidate",
+    "full_group_names",
+    "gather_full_groups",
+    "gather_stages",
+    "group_names",
+    "localize",
+    "merged_state_dict",
+    "named_cpu_state",
+    "named_state",
+]
 
 
 def named_state(optimizer: Optimizer, names: Mapping[nn.Parameter, str]) -> dict[str, Any]:
@@ -111,3 +125,43 @@ def localize(
             index += 1
         param_groups.append({**full_group, "params": indices})
     return {"state": state, "param_groups": param_groups}
+
+
+# --- across the processes of a run (collectives: every rank calls them) -----------------------------------------------
+
+
+def gather_stages(obj: Any, world_size: int, pipeline_size: int) -> list[Any]:
+    """Every pipeline rank's ``obj`` of replica 0; replicas hold identical copies, so these are the whole model's."""
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj)
+    return [gathered[r] for r in range(pipeline_size)]
+
+
+def merged_state_dict(local: Mapping[str, Any], world_size: int, pipeline_size: int) -> dict[str, Any]:
+    """The unsplit model's state dict: every stage's entries (on the CPU), under the unsplit model's keys."""
+    merged: dict[str, Any] = {}
+    for part in gather_stages({k: v.detach().cpu() for k, v in local.items()}, world_size, pipeline_size):
+        merged.update(part)
+    return merged
+
+
+def named_cpu_state(optimizer: Optimizer, names: Mapping[nn.Parameter, str]) -> dict[str, Any]:
+    """:func:`named_state` with its tensors on the CPU, ready to gather."""
+    named = named_state(optimizer, names)
+    return {
+        "param_groups": named["param_groups"],
+        "state": {
+            k: {n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in s.items()}
+            for k, s in named["state"].items()
+        },
+    }
+
+
+def gather_full_groups(
+    optimizers: Sequence[Optimizer], names: Mapping[nn.Parameter, str], order: Sequence[str], world_size: int
+) -> list[list[list[str]]]:
+    """For each optimizer, :func:`full_group_names` over every process's groups."""
+    local = [group_names(opt, names) for opt in optimizers]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, local)
+    return [full_group_names([stage[i] for stage in gathered], order) for i in range(len(optimizers))]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -20,12 +21,12 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from torch.optim import Optimizer
-from torch.utils.checkpoint import checkpoint
 from typing_extensions import override
 
-from ds_lightning.pipeline.clock import clock_cycles
-from ds_lightning.pipeline.partition import partition_by_cost, resolve_balance, stage_layer_ranges
-from ds_lightning.pipeline.profile import profile_layers
+from ds_lightning import _validation as check
+from ds_lightning.pipeline import microbatch
+from ds_lightning.pipeline.partition import check_balance, resolve_balance, stage_layer_ranges
+from ds_lightning.pipeline.profile import auto_balance
 
 __all__ = ["ModelParallelStrategy"]
 
@@ -65,26 +66,6 @@ def _parse_devices(devices: Sequence[str | torch.device] | None) -> list[torch.d
             f" type for every stage, e.g. devices={example!r}."
         )
     return parsed
-
-
-def _check_balance(balance: Sequence[int] | str | None, n_stages: int) -> list[int] | Literal["auto"] | None:
-    if balance is None or balance == "auto":
-        return balance  # type: ignore[return-value]
-    example = f"balance={[1] * n_stages}" if n_stages > 1 else "balance=[1]"
-    if isinstance(balance, str) or not isinstance(balance, Sequence):
-        raise ValueError(
-            f"balance={balance!r} must be None (equal layer counts), 'auto' (split by measured layer time) or one"
-            f" layer count per stage, e.g. {example}."
-        )
-    entries = list(balance)
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in entries):
-        raise ValueError(f"balance={entries!r} must hold positive integers (layers per stage), e.g. {example}.")
-    if len(entries) != n_stages:
-        raise ValueError(
-            f"balance={entries!r} has {len(entries)} entries but devices name {n_stages} stages; give one layer count"
-            f" per device, e.g. {example}."
-        )
-    return entries
 
 
 def _optimizer_states_to_param_devices(optimizers: Sequence[Optimizer]) -> None:
@@ -160,16 +141,9 @@ class _MicroBatchedSequential(nn.Sequential):
                 f"ds_model_parallel splits its input along dim 0 into micro-batches, so it needs a tensor with a"
                 f" batch dimension; got {type(x).__name__ if not isinstance(x, Tensor) else 'a 0-dim tensor'}."
             )
-        n_chunks = max(1, min(self.n_microbatches, x.shape[0]))
-        chunks = list(torch.tensor_split(x.to(self._devices[0]), n_chunks))
+        stages = [partial(self._run_stage, j) for j in range(len(self._stages))]
         recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        for tick in clock_cycles(n_chunks, len(self._stages)):
-            for i, j in tick:
-                h = chunks[i].to(self._devices[j])
-                chunks[i] = (
-                    checkpoint(self._run_stage, j, h, use_reentrant=False) if recompute else self._run_stage(j, h)
-                )
-        return torch.cat(chunks).to(self._devices[0])
+        return microbatch.run_clocked(stages, self._devices, x, self.n_microbatches, recompute)
 
     @override
     def __getitem__(self, idx: int | slice) -> Any:
@@ -237,14 +211,13 @@ class ModelParallelStrategy(SingleDeviceStrategy):
                 f"n_microbatches={n_microbatches!r} must be an integer >= 1, e.g. "
                 "ModelParallelStrategy(n_microbatches=4); 1 runs each batch whole."
             )
-        checked_balance = _check_balance(balance, len(stage_devices))
+        checked_balance = check_balance(balance, len(stage_devices))
         if not isinstance(pipe_module, str) or not pipe_module.isidentifier():
             raise ValueError(
                 f"pipe_module={pipe_module!r} must be the name of the LightningModule's nn.Sequential attribute, "
                 "e.g. pipe_module='net' for `self.net = nn.Sequential(...)`."
             )
-        if not isinstance(activation_checkpointing, bool):
-            raise ValueError(f"activation_checkpointing={activation_checkpointing!r} must be True or False.")
+        check.flag("activation_checkpointing", activation_checkpointing)
         super().__init__(
             device=stage_devices[0],
             accelerator=accelerator,
@@ -350,8 +323,8 @@ class ModelParallelStrategy(SingleDeviceStrategy):
             )
         sample = self.precision_plugin.convert_input(sample)
         with self.precision_plugin.forward_context():
-            profiles = profile_layers(list(seq), sample, self._stage_devices[0])
-        return partition_by_cost([p.seconds for p in profiles], n_stages)
+            balance, _ = auto_balance(list(seq), sample, self._stage_devices[0], n_stages)
+        return balance
 
     def _split(self, module: LightningModule) -> None:
         seq = self._pipe_sequence(module)

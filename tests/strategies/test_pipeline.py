@@ -400,7 +400,7 @@ def test_layout_errors_come_before_any_process_starts(devices, kwargs, message):
 
 
 def test_a_process_without_trainable_layers_is_refused_for_every_rank():
-    from ds_lightning.strategies.pipeline import check_every_rank_trains
+    from ds_lightning.pipeline.split import check_every_rank_trains
 
     seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     layout = PipelineLayout(world_size=4)

@@ -1,0 +1,223 @@
+"""The runtime: torch's pipeline schedules run inside Lightning's loop.
+
+One (stages, schedule) pair per input shape, the output broadcast to every stage, forward-only evaluation, and the
+gradients parked between ``training_step`` and ``backward``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from ds_lightning.pipeline import microbatch
+from ds_lightning.pipeline.layout import PipelineLayout
+from ds_lightning.pipeline.mesh import PipelineGroups
+from ds_lightning.pipeline.schedules import ScheduleSpec, make_forward_only
+from ds_lightning.pipeline.stage import StageModule, TracedStage
+from ds_lightning.pipeline.trace import SpanRecorder, render_timeline_png, write_chrome_trace
+
+__all__ = ["PipelineRuntime", "write_trace"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
+_HEADER = 10  # ndim, dtype, up to 8 dims
+
+
+class _Pipeline:
+    """The stages and schedule for one (mode, input shape); built lazily, identically on every rank of a pipeline."""
+
+    def __init__(self, stages: list[TracedStage], schedule: Any) -> None:
+        self.schedule = schedule
+        self.has_first = any(stage.is_first for stage in stages)
+        self.has_last = any(stage.is_last for stage in stages)
+        # The output's shape and dtype, learnt on the first step; like the activations torch infers once, they are
+        # fixed for a given input shape.
+        self.output_meta: tuple[list[int], torch.dtype] | None = None
+
+
+class PipelineRuntime:
+    """This process's stages, and the schedules that run them; every call is collective over the pipeline's ranks.
+
+    Args:
+        stages: this process's stage modules by stage index.
+        layout: the run's degrees.
+        spec: the torch schedule.
+        n_microbatches: micro-batches per batch.
+        groups: the run's process groups.
+        device: this process's device.
+        loss_fn: the training loss of one micro-batch, ``loss_fn(output, target)``.
+        recorder: records the executed training schedule, or ``None``.
+
+    """
+
+    def __init__(
+        self,
+        stages: dict[int, StageModule],
+        layout: PipelineLayout,
+        spec: ScheduleSpec,
+        n_microbatches: int,
+        groups: PipelineGroups,
+        device: torch.device,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        recorder: SpanRecorder | None = None,
+    ) -> None:
+        self.stages = stages
+        self.layout = layout
+        self.spec = spec
+        self.n_microbatches = n_microbatches
+        self.groups = groups
+        self.device = device
+        self.loss_fn = loss_fn
+        self.recorder = recorder
+        self._pipelines: dict[tuple[Any, ...], _Pipeline] = {}
+        self._warned_sizes: set[int] = set()
+        self._fresh_grads: list[torch.Tensor | None] | None = None
+        last = layout.stages - 1
+        owner = next(r for r in range(layout.pipeline_size) if last in layout.stage_indices(r, spec.style))
+        self._output_source = dist.get_global_rank(groups.pipeline, owner)
+
+    def _pipeline(self, mode: str, shape: torch.Size, dtype: torch.dtype) -> _Pipeline:
+        key = (mode, tuple(shape), dtype, torch.is_inference_mode_enabled())
+        if key in self._pipelines:
+            return self._pipelines[key]
+        training = mode == "train"
+        recorder = self.recorder if training else None
+        stages = [
+            TracedStage(module, s, self.layout.stages, self.device, group=self.groups.pipeline, recorder=recorder)
+            for s, module in self.stages.items()
+        ]
+        loss_fn = self.loss_fn if training else None
+        kwargs: dict[str, Any] = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": False}
+        torch_class = self.spec.torch_class
+        schedule = torch_class(stages, **kwargs) if self.spec.multi_stage else torch_class(stages[0], **kwargs)
+        if not training and self.spec.style == "v":
+            make_forward_only(schedule)
+        pipeline = self._pipelines[key] = _Pipeline(stages, schedule)
+        return pipeline
+
+    def _broadcast(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
+        return dist.broadcast(tensor, src=self._output_source, group=self.groups.output, async_op=async_op)
+
+    def _learn_output_meta(self, output: torch.Tensor | None, pipeline: _Pipeline) -> None:
+        """On a pipeline's first run, tell every stage the output's shape and dtype (fixed per input shape after)."""
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        valid = isinstance(output, torch.Tensor) and output.dim() <= _HEADER - 2 and output.dtype in _DTYPES
+        if pipeline.has_last:
+            if valid:
+                assert isinstance(output, torch.Tensor)
+                header[0], header[1] = output.dim(), _DTYPES.index(output.dtype)
+                header[2 : 2 + output.dim()] = torch.tensor(output.shape)
+            else:
+                header[0] = -1  # every stage raises, instead of the others waiting for data that never comes
+        self._broadcast(header)
+        if int(header[0]) < 0:
+            raise TypeError(
+                "ds_pipeline needs the last layer to return one tensor (of at most 8 dims and a standard dtype); "
+                f"the last stage returned {type(output).__name__ if pipeline.has_last else 'something else'}."
+            )
+        pipeline.output_meta = (header[2 : 2 + int(header[0])].tolist(), _DTYPES[int(header[1])])
+
+    def _run(self, pipeline: _Pipeline, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+        """Run the schedule and return the last stage's output on every stage of the pipeline."""
+        args = (x,) if pipeline.has_first else ()
+        kwargs: dict[str, Any] = {}
+        if target is not None and pipeline.has_last:
+            kwargs["target"] = target
+        received, pending = None, None
+        if pipeline.output_meta is not None and not pipeline.has_last:
+            # Post the receive now: the broadcast then overlaps with this stage's remaining work in the schedule.
+            shape, dtype = pipeline.output_meta
+            received = torch.empty(shape, dtype=dtype, device=self.device)
+            pending = self._broadcast(received, async_op=True)
+        run = pipeline.schedule.eval if target is None else pipeline.schedule.step
+        output = run(*args, **kwargs)
+        if pipeline.output_meta is None:
+            self._learn_output_meta(output, pipeline)
+            shape, dtype = pipeline.output_meta  # type: ignore[misc]
+            received = None if pipeline.has_last else torch.empty(shape, dtype=dtype, device=self.device)
+            if received is not None:
+                pending = self._broadcast(received, async_op=True)
+        if pipeline.has_last:
+            shape, dtype = pipeline.output_meta
+            if list(output.shape) != shape or output.dtype != dtype:
+                raise RuntimeError(
+                    f"The pipeline's output changed from {shape} {dtype} to {list(output.shape)} {output.dtype} for "
+                    "the same input shape; ds_pipeline needs a fixed output shape per input shape."
+                )
+            output = output.detach().contiguous()
+            self._broadcast(output)
+            return output
+        assert pending is not None and received is not None
+        pending.wait()
+        return received
+
+    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward-only pipeline; pads the rows to a multiple of the micro-batches and cuts the padding off again."""
+        rows = x.shape[0]
+        padded = microbatch.pad_rows(x, self.n_microbatches)
+        if padded.shape[0] != rows and rows not in self._warned_sizes:
+            self._warned_sizes.add(rows)
+            rank_zero_info(
+                f"ds_pipeline: an evaluation batch of {rows} rows is padded to {padded.shape[0]} (a multiple of "
+                f"n_microbatches={self.n_microbatches}); the padding rows are cut from the outputs."
+            )
+        pipeline = self._pipeline("eval", padded.shape, padded.dtype)
+        return self._run(pipeline, padded, None)[:rows]
+
+    def train(self, x: torch.Tensor, target: torch.Tensor, params: Sequence[nn.Parameter]) -> torch.Tensor:
+        """Run forward and backward over the batch; its gradients are parked until :meth:`hand_over`.
+
+        Lightning zeroes gradients after ``training_step`` and before ``backward``, so the schedule's new gradients
+        wait here and ``params`` keep the ones they had.
+        """
+        earlier = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        output = self._run(self._pipeline("train", x.shape, x.dtype), x, target)
+        self._fresh_grads = [p.grad for p in params]
+        for p, grad in zip(params, earlier, strict=True):
+            p.grad = grad
+        return output
+
+    def hand_over(self, params: Sequence[nn.Parameter]) -> None:
+        """Add the parked gradients to ``params``, averaged over the replicas first (collective over them).
+
+        Raises:
+            RuntimeError: when no training step has parked any (a second backward, or ``manual_backward``).
+
+        """
+        fresh, self._fresh_grads = self._fresh_grads, None
+        if fresh is None:
+            raise RuntimeError(
+                "ds_pipeline computes gradients in the pipeline schedule of training_step; manual_backward or a second "
+                "backward per step has no new gradients to apply."
+            )
+        grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, fresh, strict=True)]
+        replicas = self.layout.data_parallel_size
+        if replicas > 1 and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.groups.data)
+            flat /= replicas
+            grads = [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad if p.grad is None else p.grad + grad
+
+
+def write_trace(recorder: SpanRecorder, world_size: int, global_rank: int, path: str | None, title: str) -> None:
+    """Gather every rank's spans (a collective) and, on rank 0, write the Chrome trace and the PNG timeline."""
+    payloads: list[Any] = [None] * world_size
+    dist.all_gather_object(payloads, recorder.to_payload())
+    if global_rank != 0 or path is None:
+        return
+    spans = [span for payload in payloads for span in SpanRecorder.from_payload(payload)]
+    written = write_chrome_trace(spans, path)
+    rank_zero_info(f"ds_pipeline: wrote the schedule trace of {len(spans)} spans to {written}")
+    try:
+        png = render_timeline_png(spans, written.with_suffix(".png"), title=title)
+        rank_zero_info(f"ds_pipeline: timeline at {png}")
+    except ImportError as err:
+        rank_zero_warn(f"ds_pipeline: no PNG timeline ({err}).")
