@@ -7,8 +7,8 @@ from ds_lightning.environments import TFConfigEnvironment, TFConfigError
 from ds_lightning.parameter_server import ServerLostError
 from ds_lightning.strategies import (
     ClusterStrategy,
+    LayerSplitStrategy,
     MirroredStrategy,
-    ModelParallelStrategy,
     ParameterServerStrategy,
     PipelineStrategy,
     available_strategies,
@@ -19,8 +19,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ClusterStrategy",
+    "LayerSplitStrategy",
     "MirroredStrategy",
-    "ModelParallelStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
     "ServerLostError",

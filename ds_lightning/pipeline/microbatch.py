@@ -2,23 +2,36 @@
 
 A batch is cut along dim 0 with ``torch.tensor_split`` (as torch's pipeline schedules cut it); here live the rules
 around that: how many micro-batches a batch gets, running them through local stages in GPipe clock order, padding an
-evaluation batch, and refusing or trimming training batches that do not split evenly.
+evaluation batch, refusing or trimming training batches that do not split evenly, and the ``nn.Sequential`` that
+``ds_model_parallel`` puts in place of the user's to run its stages on local devices.
 """
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+from typing_extensions import override
 
 from ds_lightning.pipeline.clock import clock_cycles
+from ds_lightning.pipeline.partition import stage_layer_ranges
 
-__all__ = ["DropPartialBatches", "check_divisible", "fit_loader", "pad_rows", "run_clocked", "scatter"]
+__all__ = [
+    "DropPartialBatches",
+    "MicroBatchedSequential",
+    "check_divisible",
+    "fit_loader",
+    "pad_rows",
+    "run_clocked",
+    "scatter",
+]
 
 
 def scatter(x: Tensor, n_microbatches: int) -> list[Tensor]:
@@ -128,3 +141,64 @@ def fit_loader(dataloader: object, n_microbatches: int, strategy_name: str) -> o
         f"not divide; it is dropped. Set drop_last=True, or a dataset size per replica that is a multiple of {m}."
     )
     return DropPartialBatches(dataloader, length - 1)
+
+
+class MicroBatchedSequential(nn.Sequential):
+    """The user's layers, unchanged and under their original names, run stage by stage on GPipe micro-batches.
+
+    The layers are the same objects as in the user's ``nn.Sequential``, so ``state_dict()`` keys do not change. Each
+    stage's layers live on that stage's device; ``forward`` moves activations between devices and returns the output
+    on the first device. Autograd runs the backward pass across the devices.
+    """
+
+    def __init__(
+        self,
+        original: nn.Sequential,
+        balance: Sequence[int],
+        devices: Sequence[torch.device],
+        n_microbatches: int,
+        activation_checkpointing: bool,
+    ) -> None:
+        super().__init__(OrderedDict(original._modules.items()))
+        self.training = original.training
+        layers = list(original._modules.values())
+        # Plain lists (not registered submodules), so the layers keep their one name each in the state_dict.
+        self._stages: list[list[nn.Module]] = [[layers[i] for i in r] for r in stage_layer_ranges(balance)]
+        self._devices = list(devices)
+        self._balance = list(balance)
+        self.n_microbatches = n_microbatches
+        self.activation_checkpointing = activation_checkpointing
+
+    def _run_stage(self, stage: int, x: Tensor) -> Tensor:
+        for layer in self._stages[stage]:
+            x = layer(x)
+        if not isinstance(x, Tensor):
+            raise TypeError(
+                f"ds_model_parallel: stage {stage} returned {type(x).__name__}; every layer of the split nn.Sequential"
+                " must take and return a single tensor."
+            )
+        return x
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        """Split ``x`` into micro-batches along dim 0, run them through the stages in clock order, concatenate."""
+        if not isinstance(x, Tensor) or x.dim() == 0:
+            raise TypeError(
+                f"ds_model_parallel splits its input along dim 0 into micro-batches, so it needs a tensor with a"
+                f" batch dimension; got {type(x).__name__ if not isinstance(x, Tensor) else 'a 0-dim tensor'}."
+            )
+        stages = [partial(self._run_stage, j) for j in range(len(self._stages))]
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
+        return run_clocked(stages, self._devices, x, self.n_microbatches, recompute)
+
+    @override
+    def __getitem__(self, idx: int | slice) -> Any:
+        if isinstance(idx, slice):
+            # nn.Sequential would call our constructor with one OrderedDict; a slice is an ordinary Sequential.
+            return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
+        return super().__getitem__(idx)
+
+    @override
+    def extra_repr(self) -> str:
+        devices = [str(d) for d in self._devices]
+        return f"balance={self._balance}, devices={devices}, n_microbatches={self.n_microbatches}"

@@ -3,21 +3,21 @@
 from lightning.pytorch.strategies import StrategyRegistry
 
 from ds_lightning.strategies.base import ClusterStrategy
+from ds_lightning.strategies.layer_split import LayerSplitStrategy
 from ds_lightning.strategies.mirrored import MirroredStrategy
-from ds_lightning.strategies.model_parallel import ModelParallelStrategy
 from ds_lightning.strategies.parameter_server import ParameterServerStrategy
 from ds_lightning.strategies.pipeline import PipelineStrategy
 
 __all__ = [
     "ClusterStrategy",
+    "LayerSplitStrategy",
     "MirroredStrategy",
-    "ModelParallelStrategy",
     "ParameterServerStrategy",
     "PipelineStrategy",
     "available_strategies",
 ]
 
-_STRATEGIES = (MirroredStrategy, PipelineStrategy, ModelParallelStrategy, ParameterServerStrategy)
+_STRATEGIES = (MirroredStrategy, PipelineStrategy, LayerSplitStrategy, ParameterServerStrategy)
 
 for _cls in _STRATEGIES:
     _cls.register_strategies(StrategyRegistry)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ds_lightning.callbacks import GradientAccumulation, LRScaling, MixedPrecision
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
-from ds_lightning.strategies import ModelParallelStrategy
+from ds_lightning.strategies import LayerSplitStrategy
 from tests.helpers.callbacks import RecordSteps
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
 from tests.helpers.trainers import quiet_trainer
@@ -52,7 +52,7 @@ def test_accumulation_mixed_precision_and_lr_scaling_run_under_ds_model_parallel
     out = tmp_path / "steps"
     amp = MixedPrecision("bf16")
     callbacks = [GradientAccumulation(steps=2), amp, LRScaling(base_batch_size=4), RecordSteps(str(out))]
-    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=2)
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=2)
     trainer = quiet_trainer(tmp_path, callbacks, strategy=strategy, max_steps=2, limit_val_batches=0)
     trainer.fit(DigitsClassifier(hidden_sizes=(32,), lr=0.05), DigitsDataModule(batch_size=8))
     record = json.loads(Path(f"{out}.rank0.json").read_text())

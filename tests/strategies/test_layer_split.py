@@ -17,7 +17,8 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_lightning.pipeline.clock import clock_cycles
-from ds_lightning.strategies.model_parallel import ModelParallelStrategy, _MicroBatchedSequential
+from ds_lightning.pipeline.microbatch import MicroBatchedSequential
+from ds_lightning.strategies.layer_split import LayerSplitStrategy
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 BATCH = 16
@@ -64,7 +65,7 @@ def _loader(n: int = 48) -> DataLoader:
     return DataLoader(TensorDataset(*_data(n)), batch_size=BATCH, shuffle=False)
 
 
-def _trainer(strategy: ModelParallelStrategy | None = None, **kwargs) -> pl.Trainer:
+def _trainer(strategy: LayerSplitStrategy | None = None, **kwargs) -> pl.Trainer:
     args = {
         "accelerator": "cpu",
         "max_steps": 5,
@@ -119,7 +120,7 @@ def test_training_matches_a_plain_trainer(
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     calls = _CountCalls()
     model.net[0].register_forward_pre_hook(calls)
-    strategy = ModelParallelStrategy(
+    strategy = LayerSplitStrategy(
         devices=devices, n_microbatches=n_microbatches, balance=balance, activation_checkpointing=checkpointing
     )
     _trainer(strategy).fit(model, _loader())
@@ -144,7 +145,7 @@ def test_microbatches_run_in_gpipe_clock_order():
     order: list[tuple[int, int]] = []
     for stage, first_layer in enumerate((0, 3)):  # balance [3, 3]: stages start at layers 0 and 3
         model.net[first_layer].register_forward_pre_hook(lambda m, args, s=stage: order.append((s, args[0].shape[0])))
-    _trainer(ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=4), max_steps=1).fit(model, _loader())
+    _trainer(LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=4), max_steps=1).fit(model, _loader())
     # Fill-drain: stage 1 takes micro-batch i while stage 0 already works on i + 1 (depth-first would alternate 0, 1).
     assert order == [(j, 4) for tick in clock_cycles(4, 2) for _, j in tick]
     assert [s for s, _ in order] == [0, 0, 1, 0, 1, 0, 1, 1]
@@ -155,14 +156,14 @@ def test_batch_smaller_than_n_microbatches_gets_one_microbatch_per_row():
     calls = _CountCalls()
     model.net[0].register_forward_pre_hook(calls)
     loader = DataLoader(TensorDataset(*_data(3)), batch_size=3)
-    _trainer(ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=8), max_steps=1).fit(model, loader)
+    _trainer(LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=8), max_steps=1).fit(model, loader)
     assert calls.rows == [1, 1, 1]
 
 
 def test_validate_under_the_strategy_matches_plain_validate():
     model = PipeMLP()
     expected = _trainer().validate(model, _loader(), verbose=False)[0]["val_loss"]
-    got = _trainer(ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=4)).validate(
+    got = _trainer(LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=4)).validate(
         model, _loader(), verbose=False
     )[0]["val_loss"]
     assert_close(got, expected, **TOL)
@@ -188,7 +189,7 @@ def test_auto_balance_puts_a_slow_layer_alone_on_its_stage():
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             seen["stages"] = [list(stage) for stage in pl_module.net._stages]
 
-    strategy = ModelParallelStrategy(devices=["cpu"] * 3, balance="auto", n_microbatches=2)
+    strategy = LayerSplitStrategy(devices=["cpu"] * 3, balance="auto", n_microbatches=2)
     _trainer(strategy, max_steps=1, callbacks=[Spy()]).fit(model, _loader())
     assert strategy.balance_used == [2, 1, 2]
     assert seen["stages"][1] == [slow]
@@ -197,7 +198,7 @@ def test_auto_balance_puts_a_slow_layer_alone_on_its_stage():
 def test_auto_balance_without_example_input_array_says_how_to_set_it():
     model = PipeMLP(example=False)
     original = model.net
-    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], balance="auto")
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], balance="auto")
     with pytest.raises(ValueError, match=r"self\.example_input_array"):
         _trainer(strategy).fit(model, _loader())
     assert model.net is original
@@ -206,7 +207,7 @@ def test_auto_balance_without_example_input_array_says_how_to_set_it():
 def test_balance_with_the_wrong_sum_fails_at_setup_naming_the_numbers():
     model = PipeMLP()
     original = model.net
-    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], balance=[2, 2])
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], balance=[2, 2])
     with pytest.raises(ValueError, match=r"balance=\[2, 2\] sums to 4 but .* has 6 layers"):
         _trainer(strategy).fit(model, _loader())
     assert model.net is original and strategy.balance_used is None
@@ -216,7 +217,7 @@ def test_more_stages_than_layers_fails_at_setup():
     model = PipeMLP()
     model.net = nn.Sequential(nn.Linear(8, 16))
     with pytest.raises(ValueError, match=r"2 pipeline stages but .* only 1 layers"):
-        _trainer(ModelParallelStrategy(devices=["cpu", "cpu"])).fit(model, _loader())
+        _trainer(LayerSplitStrategy(devices=["cpu", "cpu"])).fit(model, _loader())
 
 
 # --- the module before, during and after; checkpoints ---------------------------------------------------------------
@@ -235,10 +236,10 @@ def test_checkpoint_written_while_split_loads_into_a_plain_module_and_trainer(tm
             during["slice"] = type(pl_module.net[1:3])
 
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="mp", every_n_train_steps=5, save_top_k=-1)
-    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=4)
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=4)
     _trainer(strategy, enable_checkpointing=True, callbacks=[Spy(), checkpoint]).fit(model, _loader())
 
-    assert during == {"type": _MicroBatchedSequential, "same_layers": True, "keys": keys, "slice": nn.Sequential}
+    assert during == {"type": MicroBatchedSequential, "same_layers": True, "keys": keys, "slice": nn.Sequential}
     assert model.net is original and type(model.net) is nn.Sequential
     assert list(model.state_dict()) == keys
 
@@ -263,7 +264,7 @@ def test_resume_restores_the_optimizer_state_like_a_plain_trainer(tmp_path):
     # after an end-of-epoch checkpoint) are not what this test is about; SGD momentum makes the optimizer state count.
     first = PipeMLP()
     checkpoint = ModelCheckpoint(dirpath=tmp_path, filename="epoch0")
-    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=2)
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=2)
     _trainer(strategy, max_steps=3, enable_checkpointing=True, callbacks=[checkpoint]).fit(first, _loader())
     path = tmp_path / "epoch0.ckpt"
     momentum = torch.load(path, weights_only=True)["optimizer_states"][0]["state"]
@@ -272,7 +273,7 @@ def test_resume_restores_the_optimizer_state_like_a_plain_trainer(tmp_path):
     plain = PipeMLP(seed=3)
     _trainer(max_steps=6).fit(plain, _loader(), ckpt_path=path)
     resumed = PipeMLP(seed=4)
-    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=2)
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=2)
     _trainer(strategy, max_steps=6).fit(resumed, _loader(), ckpt_path=path)
     assert len(resumed.losses) == len(plain.losses) == 3
     assert_close(torch.stack(resumed.losses), torch.stack(plain.losses), **TOL)
@@ -290,7 +291,7 @@ def test_an_exception_in_training_still_puts_the_original_sequential_back():
     model = Failing()
     original = model.net
     with pytest.raises(RuntimeError, match="boom"):
-        _trainer(ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=2)).fit(model, _loader())
+        _trainer(LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=2)).fit(model, _loader())
     assert model.net is original
 
 
@@ -300,13 +301,13 @@ def test_an_exception_in_training_still_puts_the_original_sequential_back():
 def test_missing_attribute_names_it_and_the_option():
     model = PipeMLP()
     with pytest.raises(AttributeError, match=r"PipeMLP\.body.*pipe_module"):
-        _trainer(ModelParallelStrategy(devices=["cpu", "cpu"], pipe_module="body")).fit(model, _loader())
+        _trainer(LayerSplitStrategy(devices=["cpu", "cpu"], pipe_module="body")).fit(model, _loader())
 
 
 def test_pipe_module_option_picks_another_attribute():
     model = PipeMLP()
     model.trunk = model.net  # the same nn.Sequential under a second name; `net` is left unsplit
-    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], pipe_module="trunk")
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], pipe_module="trunk")
     seen = {}
 
     class Spy(Callback):
@@ -314,7 +315,7 @@ def test_pipe_module_option_picks_another_attribute():
             seen["trunk"], seen["net"] = type(pl_module.trunk), type(pl_module.net)
 
     _trainer(strategy, max_steps=1, callbacks=[Spy()]).fit(model, _loader())
-    assert seen == {"trunk": _MicroBatchedSequential, "net": nn.Sequential}
+    assert seen == {"trunk": MicroBatchedSequential, "net": nn.Sequential}
     assert model.trunk is model.net
 
 
@@ -322,7 +323,7 @@ def test_attribute_that_is_not_a_sequential_is_a_type_error():
     model = PipeMLP()
     model.net = nn.Linear(8, 16)
     with pytest.raises(TypeError, match=r"PipeMLP\.net`, which is a Linear, not an nn.Sequential"):
-        _trainer(ModelParallelStrategy(devices=["cpu", "cpu"])).fit(model, _loader())
+        _trainer(LayerSplitStrategy(devices=["cpu", "cpu"])).fit(model, _loader())
 
 
 def test_sequential_subclass_with_its_own_forward_is_refused():
@@ -333,7 +334,7 @@ def test_sequential_subclass_with_its_own_forward_is_refused():
     model = PipeMLP()
     model.net = Residual(nn.Linear(8, 8), nn.Tanh())
     with pytest.raises(TypeError, match="its own forward"):
-        _trainer(ModelParallelStrategy(devices=["cpu", "cpu"])).fit(model, _loader())
+        _trainer(LayerSplitStrategy(devices=["cpu", "cpu"])).fit(model, _loader())
 
 
 # --- construction ---------------------------------------------------------------------------------------------------
@@ -360,11 +361,11 @@ def test_sequential_subclass_with_its_own_forward_is_refused():
 )
 def test_bad_options_fail_at_construction_naming_the_value(kwargs, message):
     with pytest.raises(ValueError, match=message):
-        ModelParallelStrategy(**kwargs)
+        LayerSplitStrategy(**kwargs)
 
 
 def test_defaults_and_root_device():
-    strategy = ModelParallelStrategy()
+    strategy = LayerSplitStrategy()
     if torch.cuda.is_available():
         expected = [torch.device("cuda", i) for i in range(torch.cuda.device_count())]
     else:
@@ -376,32 +377,32 @@ def test_defaults_and_root_device():
 
 
 def test_the_devices_type_decides_the_accelerator():
-    with pytest.raises(MisconfigurationException, match="CPU parallel_devices set through ModelParallelStrategy"):
-        pl.Trainer(accelerator="cuda", strategy=ModelParallelStrategy(devices=["cpu", "cpu"]), logger=False)
+    with pytest.raises(MisconfigurationException, match="CPU parallel_devices set through LayerSplitStrategy"):
+        pl.Trainer(accelerator="cuda", strategy=LayerSplitStrategy(devices=["cpu", "cpu"]), logger=False)
 
 
 def test_cuda_index_beyond_the_visible_devices_fails_before_setup(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    strategy = ModelParallelStrategy(devices=["cuda:0", "cuda:3"])
+    strategy = LayerSplitStrategy(devices=["cuda:0", "cuda:3"])
     with pytest.raises(ValueError, match=r"names \['cuda:3'\], but this machine shows 1 CUDA device"):
         strategy.setup_environment()
 
 
 def test_register_strategies_adds_the_name():
     registry = _StrategyRegistry()
-    ModelParallelStrategy.register_strategies(registry)
-    ModelParallelStrategy.register_strategies(registry)  # a second import must not fail
+    LayerSplitStrategy.register_strategies(registry)
+    LayerSplitStrategy.register_strategies(registry)  # a second import must not fail
     assert "ds_model_parallel" in registry
-    assert isinstance(registry.get("ds_model_parallel"), ModelParallelStrategy)
+    assert isinstance(registry.get("ds_model_parallel"), LayerSplitStrategy)
 
 
 @pytest.mark.parametrize(("balance_yaml", "balance"), [("auto", "auto"), ("[4, 2]", [4, 2]), ("null", None)])
 def test_jsonargparse_builds_it_from_yaml(balance_yaml, balance):
     parser = ArgumentParser(exit_on_error=False)
-    parser.add_argument("--strategy", type=ModelParallelStrategy)
+    parser.add_argument("--strategy", type=LayerSplitStrategy)
     cfg = parser.parse_string(
         "strategy:\n"
-        "  class_path: ds_lightning.strategies.model_parallel.ModelParallelStrategy\n"
+        "  class_path: ds_lightning.strategies.layer_split.LayerSplitStrategy\n"
         "  init_args:\n"
         "    devices: [cpu, cpu]\n"
         "    n_microbatches: 4\n"
@@ -409,7 +410,7 @@ def test_jsonargparse_builds_it_from_yaml(balance_yaml, balance):
         "    activation_checkpointing: true\n"
     )
     strategy = parser.instantiate_classes(cfg).strategy
-    assert isinstance(strategy, ModelParallelStrategy)
+    assert isinstance(strategy, LayerSplitStrategy)
     assert strategy.stage_devices == [torch.device("cpu")] * 2
     assert (strategy.n_microbatches, strategy.balance, strategy.activation_checkpointing) == (4, balance, True)
 
@@ -420,7 +421,7 @@ def test_jsonargparse_builds_it_from_yaml(balance_yaml, balance):
 def test_model_to_device_puts_each_stage_on_its_device_and_the_rest_on_the_root():
     model = PipeMLP()
     original = model.net
-    strategy = ModelParallelStrategy(devices=["cpu", "cpu"], n_microbatches=2)
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=2)
     strategy._stage_devices = [torch.device("cpu"), torch.device("meta")]  # no second GPU here: meta stands in
     strategy.connect(model)
     strategy.model_to_device()
@@ -437,7 +438,7 @@ def test_model_to_device_puts_each_stage_on_its_device_and_the_rest_on_the_root(
 
 
 def test_optimizer_states_follow_their_parameters():
-    from ds_lightning.strategies.model_parallel import _optimizer_states_to_param_devices
+    from ds_lightning.strategies.layer_split import _optimizer_states_to_param_devices
 
     on_cpu, on_meta = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, device="meta"))
     optimizer = torch.optim.Adam([on_cpu, on_meta])
@@ -468,7 +469,7 @@ def test_two_gpus_hold_one_stage_each():
                 for p, s in trainer.optimizers[0].state.items()
             }
 
-    strategy = ModelParallelStrategy(devices=["cuda:0", "cuda:1"], n_microbatches=4)
+    strategy = LayerSplitStrategy(devices=["cuda:0", "cuda:1"], n_microbatches=4)
     pl.Trainer(
         accelerator="cuda",
         strategy=strategy,

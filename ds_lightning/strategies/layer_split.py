@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator, MutableMapping, Sequence
 from contextlib import contextmanager
-from functools import partial
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -24,11 +22,11 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_lightning import _validation as check
-from ds_lightning.pipeline import microbatch
-from ds_lightning.pipeline.partition import check_balance, resolve_balance, stage_layer_ranges
+from ds_lightning.pipeline.microbatch import MicroBatchedSequential
+from ds_lightning.pipeline.partition import check_balance, resolve_balance
 from ds_lightning.pipeline.profile import auto_balance
 
-__all__ = ["ModelParallelStrategy"]
+__all__ = ["LayerSplitStrategy"]
 
 _CPU = torch.device("cpu")
 
@@ -41,7 +39,7 @@ def _parse_devices(devices: Sequence[str | torch.device] | None) -> list[torch.d
     if isinstance(devices, (str, torch.device)) or not isinstance(devices, Sequence) or len(devices) == 0:
         raise ValueError(
             f"devices={devices!r} must be a non-empty list with one device per stage, e.g. "
-            "ModelParallelStrategy(devices=['cuda:0', 'cuda:1']) or devices=['cpu', 'cpu']."
+            "LayerSplitStrategy(devices=['cuda:0', 'cuda:1']) or devices=['cpu', 'cpu']."
         )
     parsed = []
     for entry in devices:
@@ -97,68 +95,7 @@ def _without_child(module: nn.Module, name: str) -> Iterator[None]:
         module._modules[name] = child
 
 
-class _MicroBatchedSequential(nn.Sequential):
-    """The user's layers, unchanged and under their original names, run stage by stage on GPipe micro-batches.
-
-    The layers are the same objects as in the user's ``nn.Sequential``, so ``state_dict()`` keys do not change. Each
-    stage's layers live on that stage's device; ``forward`` moves activations between devices and returns the output
-    on the first device. Autograd runs the backward pass across the devices.
-    """
-
-    def __init__(
-        self,
-        original: nn.Sequential,
-        balance: Sequence[int],
-        devices: Sequence[torch.device],
-        n_microbatches: int,
-        activation_checkpointing: bool,
-    ) -> None:
-        super().__init__(OrderedDict(original._modules.items()))
-        self.training = original.training
-        layers = list(original._modules.values())
-        # Plain lists (not registered submodules), so the layers keep their one name each in the state_dict.
-        self._stages: list[list[nn.Module]] = [[layers[i] for i in r] for r in stage_layer_ranges(balance)]
-        self._devices = list(devices)
-        self._balance = list(balance)
-        self.n_microbatches = n_microbatches
-        self.activation_checkpointing = activation_checkpointing
-
-    def _run_stage(self, stage: int, x: Tensor) -> Tensor:
-        for layer in self._stages[stage]:
-            x = layer(x)
-        if not isinstance(x, Tensor):
-            raise TypeError(
-                f"ds_model_parallel: stage {stage} returned {type(x).__name__}; every layer of the split nn.Sequential"
-                " must take and return a single tensor."
-            )
-        return x
-
-    @override
-    def forward(self, x: Tensor) -> Tensor:
-        """Split ``x`` into micro-batches along dim 0, run them through the stages in clock order, concatenate."""
-        if not isinstance(x, Tensor) or x.dim() == 0:
-            raise TypeError(
-                f"ds_model_parallel splits its input along dim 0 into micro-batches, so it needs a tensor with a"
-                f" batch dimension; got {type(x).__name__ if not isinstance(x, Tensor) else 'a 0-dim tensor'}."
-            )
-        stages = [partial(self._run_stage, j) for j in range(len(self._stages))]
-        recompute = self.activation_checkpointing and torch.is_grad_enabled()
-        return microbatch.run_clocked(stages, self._devices, x, self.n_microbatches, recompute)
-
-    @override
-    def __getitem__(self, idx: int | slice) -> Any:
-        if isinstance(idx, slice):
-            # nn.Sequential would call our constructor with one OrderedDict; a slice is an ordinary Sequential.
-            return nn.Sequential(OrderedDict(list(self._modules.items())[idx]))
-        return super().__getitem__(idx)
-
-    @override
-    def extra_repr(self) -> str:
-        devices = [str(d) for d in self._devices]
-        return f"balance={self._balance}, devices={devices}, n_microbatches={self.n_microbatches}"
-
-
-class ModelParallelStrategy(SingleDeviceStrategy):
+class LayerSplitStrategy(SingleDeviceStrategy):
     """Single-process model parallelism: the layers of an ``nn.Sequential`` are split across devices, GPipe-style.
 
     The classic "first part on ``cuda:0``, second part on ``cuda:1``" split, plus micro-batching so the devices can
@@ -209,7 +146,7 @@ class ModelParallelStrategy(SingleDeviceStrategy):
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(
                 f"n_microbatches={n_microbatches!r} must be an integer >= 1, e.g. "
-                "ModelParallelStrategy(n_microbatches=4); 1 runs each batch whole."
+                "LayerSplitStrategy(n_microbatches=4); 1 runs each batch whole."
             )
         checked_balance = check_balance(balance, len(stage_devices))
         if not isinstance(pipe_module, str) or not pipe_module.isidentifier():
@@ -272,7 +209,7 @@ class ModelParallelStrategy(SingleDeviceStrategy):
             missing = [str(d) for d in cuda if d.index is None or d.index >= count]
             if missing:
                 raise ValueError(
-                    f"ModelParallelStrategy(devices={[str(d) for d in self._stage_devices]}) names {missing}, but"
+                    f"LayerSplitStrategy(devices={[str(d) for d in self._stage_devices]}) names {missing}, but"
                     f" this machine shows {count} CUDA device(s); use indices below {count}"
                     " (CUDA_VISIBLE_DEVICES renumbers them from 0)."
                 )
@@ -286,7 +223,7 @@ class ModelParallelStrategy(SingleDeviceStrategy):
             raise AttributeError(
                 f"ds_model_parallel splits `{type(module).__name__}.{name}`, which does not exist. Put the layers to"
                 f" split in an nn.Sequential attribute, e.g. `self.{name} = nn.Sequential(...)`, or name yours with"
-                " ModelParallelStrategy(pipe_module=...)."
+                " LayerSplitStrategy(pipe_module=...)."
             )
         seq = module._modules[name]
         if not isinstance(seq, nn.Sequential):
@@ -311,14 +248,14 @@ class ModelParallelStrategy(SingleDeviceStrategy):
         sample = module.example_input_array
         if sample is None:
             raise ValueError(
-                f"ModelParallelStrategy(balance='auto') times each layer of `{self.pipe_module}` on"
+                f"LayerSplitStrategy(balance='auto') times each layer of `{self.pipe_module}` on"
                 " `LightningModule.example_input_array`, which is None. Set `self.example_input_array = torch.randn("
                 "batch, ...)` in your module's __init__ (the input of the nn.Sequential), or pass balance=None or an"
                 " explicit list."
             )
         if not isinstance(sample, Tensor):
             raise ValueError(
-                f"ModelParallelStrategy(balance='auto') needs `example_input_array` to be one tensor (the input of"
+                f"LayerSplitStrategy(balance='auto') needs `example_input_array` to be one tensor (the input of"
                 f" `{self.pipe_module}`), got {type(sample).__name__}; set a tensor or pass an explicit balance."
             )
         sample = self.precision_plugin.convert_input(sample)
@@ -329,7 +266,7 @@ class ModelParallelStrategy(SingleDeviceStrategy):
     def _split(self, module: LightningModule) -> None:
         seq = self._pipe_sequence(module)
         balance = self._resolve_balance(seq, module)
-        wrapped = _MicroBatchedSequential(
+        wrapped = MicroBatchedSequential(
             seq, balance, self._stage_devices, self.n_microbatches, self.activation_checkpointing
         )
         setattr(module, self.pipe_module, wrapped)
@@ -346,7 +283,7 @@ class ModelParallelStrategy(SingleDeviceStrategy):
         if self._original is None or module is None:
             return
         wrapped = module._modules.get(self.pipe_module)
-        if isinstance(wrapped, _MicroBatchedSequential):
+        if isinstance(wrapped, MicroBatchedSequential):
             self._original.training = wrapped.training  # the container only; the layers keep their own modes
         setattr(module, self.pipe_module, self._original)
         self._original = None
@@ -359,7 +296,7 @@ class ModelParallelStrategy(SingleDeviceStrategy):
         if self._original is None:
             self._split(module)
         wrapped = module._modules[self.pipe_module]
-        assert isinstance(wrapped, _MicroBatchedSequential)
+        assert isinstance(wrapped, MicroBatchedSequential)
         with _without_child(module, self.pipe_module):
             self.model.to(self.root_device)
         for layers, device in zip(wrapped._stages, self._stage_devices, strict=True):
