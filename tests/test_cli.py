@@ -182,6 +182,7 @@ EXPECTED_CONFIGS = {
     "callbacks.yaml": "class_path: ds_lightning.callbacks.DynamicLoadBalancer",
     "mirrored.yaml": "strategy: ds_mirrored",
     "mirrored_powersgd.yaml": "class_path: ds_lightning.strategies.MirroredStrategy",
+    "model_parallel.yaml": "class_path: ds_lightning.strategies.LayerSplitStrategy",
     "parameter_server.yaml": "class_path: ds_lightning.strategies.ParameterServerStrategy",
     "pipeline.yaml": "class_path: ds_lightning.strategies.PipelineStrategy",
 }
