@@ -14,6 +14,7 @@ from typing import TypeVar
 __all__ = [
     "choice",
     "flag",
+    "identifier",
     "integer",
     "is_int",
     "is_number",
@@ -133,6 +134,18 @@ def flag(name: str, value: object) -> bool:
     """
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False.")
+    return value
+
+
+def identifier(name: str, value: object, example: str) -> str:
+    """``value`` if it is a Python identifier (an attribute name).
+
+    Raises:
+        ValueError: naming the value and ``example``.
+
+    """
+    if not isinstance(value, str) or not value.isidentifier():
+        raise _fail(name, value, "the name of one attribute (a Python identifier)", example)
     return value
 
 

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
+from ds_lightning import _validation as check
+
 __all__ = ["clock_cycles"]
 
-
-def _check_count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be an integer >= 1, e.g. clock_cycles(n_microbatches=4, n_stages=2).")
+_EXAMPLE = "clock_cycles(n_microbatches=4, n_stages=2)"
 
 
 def clock_cycles(n_microbatches: int, n_stages: int) -> list[list[tuple[int, int]]]:
@@ -35,7 +34,7 @@ def clock_cycles(n_microbatches: int, n_stages: int) -> list[list[tuple[int, int
         ValueError: if either count is not an integer >= 1.
 
     """
-    _check_count("n_microbatches", n_microbatches)
-    _check_count("n_stages", n_stages)
+    check.integer("n_microbatches", n_microbatches, 1, _EXAMPLE)
+    check.integer("n_stages", n_stages, 1, _EXAMPLE)
     m, n = n_microbatches, n_stages
     return [[(k - j, j) for j in range(max(1 + k - m, 0), min(1 + k, n))] for k in range(m + n - 1)]

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ds_lightning import _validation as check
+
+__all__ = ["PipelineLayout"]
+
 
 @dataclass(frozen=True)
 class PipelineLayout:
@@ -27,14 +31,12 @@ class PipelineLayout:
     stages: int = -1
 
     def __post_init__(self) -> None:
-        for name in ("world_size", "stages_per_rank"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+        check.integer("world_size", self.world_size, 1, "PipelineLayout(world_size=4)")
+        check.integer("stages_per_rank", self.stages_per_rank, 1, "PipelineLayout(4, stages_per_rank=2)")
         dp, stages = self.data_parallel_size, self.stages
         for name, value in (("data_parallel_size", dp), ("stages", stages)):
-            if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
-                raise ValueError(f"{name}={value!r} must be an integer >= 1, or -1 to infer it.")
+            if value != -1:
+                check.integer(name, value, 1, f"PipelineLayout(8, {name}=2)", note="or -1 to infer it")
         if dp == -1 and stages == -1:
             raise ValueError("Set data_parallel_size or the number of stages; -1 infers only one of them.")
         if stages != -1 and stages % self.stages_per_rank:

@@ -149,11 +149,9 @@ class LayerSplitStrategy(SingleDeviceStrategy):
                 "LayerSplitStrategy(n_microbatches=4); 1 runs each batch whole."
             )
         checked_balance = check_balance(balance, len(stage_devices))
-        if not isinstance(pipe_module, str) or not pipe_module.isidentifier():
-            raise ValueError(
-                f"pipe_module={pipe_module!r} must be the name of the LightningModule's nn.Sequential attribute, "
-                "e.g. pipe_module='net' for `self.net = nn.Sequential(...)`."
-            )
+        check.identifier(
+            "pipe_module", pipe_module, "pipe_module='net' for the LightningModule's `self.net = nn.Sequential(...)`"
+        )
         check.flag("activation_checkpointing", activation_checkpointing)
         super().__init__(
             device=stage_devices[0],

@@ -113,8 +113,9 @@ class PipelineStrategy(ClusterStrategy):
         self.schedule = canonical_name(schedule)
         check.integer("n_microbatches", n_microbatches, 1, "PipelineStrategy(n_microbatches=4)")
         balance = check_balance(balance)
-        if not isinstance(pipe_module, str) or not pipe_module.isidentifier():
-            raise ValueError(f"pipe_module={pipe_module!r} must name an attribute of the LightningModule, e.g. 'net'.")
+        check.identifier(
+            "pipe_module", pipe_module, "pipe_module='net' for the LightningModule's `self.net = nn.Sequential(...)`"
+        )
         check.flag("activation_checkpointing", activation_checkpointing)
         if data_parallel_size != -1:
             check.integer("data_parallel_size", data_parallel_size, 1, "PipelineStrategy(data_parallel_size=2)")
