@@ -22,12 +22,12 @@ from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_lightning.environments._interfaces import pin_socket_interfaces
-from ds_lightning.environments.tf_config import TFConfig, TFConfigEnvironment, TFConfigError
-from ds_lightning.parameter_server.channel import connect_servers, own_host
+from ds_lightning.environments.tf_config import TFConfig, TFConfigError
+from ds_lightning.parameter_server.channel import connect_servers
 from ds_lightning.parameter_server.checkpoint import (
     consolidated_state,
     index_of,
@@ -44,11 +44,10 @@ from ds_lightning.parameter_server.push_compression import PushCompressionName
 from ds_lightning.parameter_server.serving import serve_shard
 from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
-from ds_lightning.strategies._cluster import check_launch_options, destroy_process_group_at_exit
-from ds_lightning.strategies._rendezvous import setup_distributed
+from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 
 
-class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
+class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
     """Asynchronous (or bounded-stale) data parallelism through parameter servers, like TF's ParameterServerStrategy.
 
     ``Trainer(strategy="ds_parameter_server", devices=N)`` trains on N worker processes and starts ``num_servers``
@@ -57,7 +56,25 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
     ``training_step`` and backward, and push gradients. Under ``TF_CONFIG``, ``ps`` tasks serve and ``chief``/``worker``
     tasks train; every task runs the same command.
 
+    The arguments ``DDPStrategy`` takes come first, in its positions (see
+    :class:`~ds_lightning.strategies.ClusterStrategy`); the ones about torch's DDP wrapper are refused, since workers
+    never all-reduce gradients, and there is no ``**kwargs`` for torch's DDP. The parameter-server options are
+    keyword-only.
+
     Args:
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer, or :class:`~ds_lightning.environments.TFConfigEnvironment`.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        ddp_comm_state: refused (no DDP wrapper); must stay ``None``.
+        ddp_comm_hook: refused (no DDP wrapper); must stay ``None``.
+        ddp_comm_wrapper: refused (no DDP wrapper); must stay ``None``.
+        model_averaging_period: refused (no DDP wrapper); must stay ``None``.
+        process_group_backend: the workers' own group (``sync_dist``, barriers); the server channel is always gloo.
+        timeout: how long any wait may take (process groups, server replies) before it fails: seconds or a
+            ``timedelta``; ``None`` means torch's default (30 minutes).
+        start_method: only ``"popen"``: the chief starts the servers beside the workers.
         num_servers: server processes (default 1); under ``TF_CONFIG`` the number of ``ps`` tasks.
         max_staleness: ``None`` fully asynchronous; ``k >= 1`` stale synchronous (no worker more than ``k`` pushes
             ahead of the slowest live one); ``0`` bulk synchronous (one averaged update per step from every worker,
@@ -69,20 +86,30 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
         max_updates: a global budget: stop every worker once the servers applied this many updates (fast workers do
             more of them). ``None``: each worker runs its own ``max_epochs``/``max_steps``.
         min_shard_bytes: a parameter is split across servers only into pieces of at least this size.
-        timeout: seconds any wait may take (process groups, server replies) before it fails.
-        process_group_backend: the workers' own group (``sync_dist``, barriers); the server channel is always gloo.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer, or :class:`~ds_lightning.environments.TFConfigEnvironment`.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
+
+    Raises:
+        ValueError: for an invalid option, naming the value and the fix.
 
     """
 
     strategy_name = "ds_parameter_server"
+    serves_parameters = True
 
     def __init__(
         self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        *,
         num_servers: int | None = None,
         max_staleness: int | None = None,
         staleness_lr: StalenessLR = "none",
@@ -91,28 +118,30 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
         topk_ratio: float = 0.01,
         max_updates: int | None = None,
         min_shard_bytes: int = 256 * 1024,
-        timeout: float = 1800.0,
-        process_group_backend: str | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
     ) -> None:
         check_options(
             num_servers, max_staleness, staleness_lr, push_every, compression, topk_ratio, max_updates, min_shard_bytes
         )
-        check_launch_options("ParameterServerStrategy", timeout, "popen", process_group_backend)
+        if start_method != "popen":
+            raise ValueError(
+                f"ParameterServerStrategy got start_method={start_method!r}, but the chief starts the servers as new"
+                " processes beside the workers; remove start_method (it must be 'popen')."
+            )
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timedelta(seconds=timeout),
-            start_method="popen",
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
+            ddp_comm_state,
+            ddp_comm_hook,
+            ddp_comm_wrapper,
+            model_averaging_period,
+            process_group_backend,
+            timeout,
+            start_method,
         )
+        self._refuse_ddp_options("ds_parameter_server does not wrap the model in torch's DDP (workers push to servers)")
         self._num_servers_arg = num_servers
         self.num_servers = num_servers or 1
         self.max_staleness = max_staleness
@@ -122,8 +151,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
         self.topk_ratio = float(topk_ratio)
         self.max_updates = max_updates
         self.min_shard_bytes = min_shard_bytes
-        self.timeout_seconds = float(timeout)
-        self._tf: TFConfig | None = None
+        self.timeout_seconds = self._timeout.total_seconds()
         self._server_index: int | None = None
         self.fitting = False  # whether this Trainer call is fit; the launcher sets it
         self._training = False
@@ -160,21 +188,13 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
     @property
     def starts_local_servers(self) -> bool:
         """Whether the chief starts the servers on this machine (no ``TF_CONFIG``)."""
-        return self._tf is None and self.fitting
-
-    def _read_tf_config(self) -> TFConfig | None:
-        env = self.cluster_environment
-        if isinstance(env, TFConfigEnvironment):
-            return env.config
-        if (env is None or type(env) is LightningEnvironment) and TFConfigEnvironment.detect():
-            return TFConfig.from_json(os.environ["TF_CONFIG"])
-        return None
+        return self.tf_config is None and self.fitting
 
     @override
     def set_world_ranks(self) -> None:
-        self._tf = self._read_tf_config()
-        if self._tf is not None:
-            self._adopt_tf_config(self._tf)
+        config = self.adopt_cluster()
+        if config is not None:
+            self._adopt_servers(config)
         elif self._num_nodes > 1:
             raise ValueError(
                 f"ds_parameter_server on num_nodes={self._num_nodes} needs TF_CONFIG to say where the servers run;"
@@ -189,37 +209,18 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
             self.cluster_environment = env
             rank_zero_only.rank = self.num_workers + self._server_index  # servers never log
             return
-        super().set_world_ranks()
+        DDPStrategy.set_world_ranks(self)  # TF_CONFIG is adopted above
 
-    def _adopt_tf_config(self, config: TFConfig) -> None:
-        servers = len(config.cluster.get("ps", []))
-        if servers == 0:
-            raise TFConfigError(
-                "TF_CONFIG has no `cluster.ps` job, so ds_parameter_server has no parameter servers; list at least one"
-                ' ps task, e.g. "ps": ["10.0.0.3:2222"], and start it with the same ds-train command.'
-            )
-        if config.task_type == "evaluator":
-            raise TFConfigError(
-                "TF_CONFIG field `task.type` is 'evaluator', which ds_parameter_server does not run; evaluate with"
-                " `ds-train validate` outside the cluster instead."
-            )
+    def _adopt_servers(self, config: TFConfig) -> None:
+        servers = len(config.cluster["ps"])  # adopt_cluster refused a cluster without a ps job
         if self._num_servers_arg not in (None, servers):
             raise TFConfigError(
                 f"num_servers={self._num_servers_arg} but TF_CONFIG lists {servers} ps task(s); leave num_servers"
                 " unset under TF_CONFIG, or make the cluster spec match."
             )
         self.num_servers = servers
-        tasks = config.num_training_tasks
-        if self._num_nodes not in (1, tasks):
-            raise TFConfigError(
-                f"TF_CONFIG lists {tasks} training task(s) (chief + workers) but Trainer(num_nodes={self._num_nodes});"
-                f" use num_nodes={tasks} or leave it at its default."
-            )
-        self._num_nodes = tasks
         if config.task_type == "ps":
             self._server_index = config.task_index
-        elif not isinstance(self.cluster_environment, TFConfigEnvironment):
-            self.cluster_environment = TFConfigEnvironment()
 
     @override
     def _configure_launcher(self) -> None:
@@ -241,23 +242,14 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
         launcher = self._launcher
         servers = launcher.servers if isinstance(launcher, WorkerLauncher) else []
         size = self.num_workers + self.num_servers
-        self._pg = connect_servers(self._tf, rank, size, self._server_index, self.timeout_seconds, servers)
-
-    @override
-    def setup_distributed(self) -> None:
-        # Rank 0's rendezvous store listens on the main address only; servers on other hosts must reach it too.
-        hosts = {host for tasks in self._tf.cluster.values() for host, _ in tasks} if self._tf is not None else set()
-        setup_distributed(self, spans_hosts=len(hosts) > 1)
+        self._pg = connect_servers(self.tf_config, rank, size, self._server_index, self.timeout_seconds, servers)
 
     @override
     def setup_environment(self) -> None:
         if self.is_server:
             self._connect_servers()
             return
-        if self._tf is not None:
-            pin_socket_interfaces(own_host(self._tf, None))
         super().setup_environment()
-        destroy_process_group_at_exit(self._get_process_group_backend())
         if self.fitting:
             self._connect_servers()
 
@@ -291,7 +283,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, DDPStrategy):
         else:
             self._route_metric_syncs()
         handle_sigterm_locally(trainer)
-        addresses = [f"{h}:{p}" for h, p in self._tf.cluster["ps"]] if self._tf else None
+        addresses = [f"{h}:{p}" for h, p in self.tf_config.cluster["ps"]] if self.tf_config else None
         self._client = ServerClient(
             self._pg, self.global_rank, self.num_workers, self._plan, self.compression, self.topk_ratio, addresses
         )

@@ -18,12 +18,12 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.constants import default_pg_timeout
 
-from ds_lightning import ClusterStrategy, MirroredStrategy, TFConfigEnvironment, TFConfigError
+from ds_lightning import ClusterStrategy, MirroredStrategy, ParameterServerStrategy, TFConfigEnvironment, TFConfigError
 from ds_lightning.environments import TFConfig
 from ds_lightning.strategies.base import check_tf_config
 from tests.helpers.runner import REPO, worker_env
 
-DROP_INS = [ClusterStrategy, MirroredStrategy]
+DROP_INS = [ClusterStrategy, MirroredStrategy, ParameterServerStrategy]
 
 
 def _params(cls: type) -> list[inspect.Parameter]:
@@ -50,16 +50,17 @@ def test_every_ddpstrategy_parameter_keeps_its_position_kind_and_default(cls):
     assert [(p.name, p.kind) for p in ours[: len(positional)]] == [(p.name, p.kind) for p in positional]
     for mine, base in zip(ours, positional, strict=False):
         assert mine.default == base.default, mine.name
-    # ds options only keyword-only after them, and **kwargs last (for torch's DDP).
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(positional) : -1])
-    assert ours[-1].kind is inspect.Parameter.VAR_KEYWORD
+    # ds options only keyword-only after them, and **kwargs last (for torch's DDP) where the model goes into DDP.
+    wraps_ddp = cls is not ParameterServerStrategy
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(positional) : len(ours) - wraps_ddp])
+    assert (ours[-1].kind is inspect.Parameter.VAR_KEYWORD) is wraps_ddp
 
 
 @pytest.mark.parametrize("cls", DROP_INS)
 def test_every_type_ddpstrategy_accepts_is_accepted(cls):
     theirs = typing.get_type_hints(DDPStrategy.__init__)
     ours = typing.get_type_hints(cls.__init__)
-    for name in [p.name for p in _params(DDPStrategy)]:
+    for name in [p.name for p in _params(DDPStrategy) if p.kind is not inspect.Parameter.VAR_KEYWORD]:
         assert _members(theirs[name]) <= _members(ours[name]), name
     assert timedelta in _members(ours["timeout"]) and float in _members(ours["timeout"])
 
@@ -68,6 +69,44 @@ def test_mirrored_options_are_keyword_only():
     options = [p.name for p in _params(MirroredStrategy) if p.kind is inspect.Parameter.KEYWORD_ONLY]
     assert options[:2] == ["gradient_compression", "powersgd_rank"]
     assert "gradient_as_bucket_view" in options and "even_batches" in options
+
+
+def test_parameter_server_options_are_keyword_only():
+    options = [p.name for p in _params(ParameterServerStrategy) if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert options[:3] == ["num_servers", "max_staleness", "staleness_lr"]
+
+
+def test_parameter_server_takes_the_ddp_positions_and_a_timedelta():
+    accelerator = CPUAccelerator()
+    strategy = ParameterServerStrategy(accelerator, None, None, None, None, None, None, None, None, "gloo", 30)
+    assert strategy.accelerator is accelerator and strategy.num_servers == 1
+    assert strategy.process_group_backend == "gloo"
+    assert strategy._timeout == timedelta(seconds=30) and strategy.timeout_seconds == 30.0
+    assert ParameterServerStrategy(timeout=timedelta(minutes=2)).timeout_seconds == 120.0
+    assert ParameterServerStrategy().timeout_seconds == default_pg_timeout.total_seconds()
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("ddp_comm_hook", default_hooks.allreduce_hook),
+        ("ddp_comm_state", object()),
+        ("model_averaging_period", 4),
+    ],
+)
+def test_parameter_server_refuses_what_only_torch_ddp_would_use(option, value):
+    with pytest.raises(ValueError, match=rf"got {option}=.*does not wrap the model in torch's DDP.*remove {option}"):
+        ParameterServerStrategy(**{option: value})
+
+
+def test_parameter_server_takes_no_keyword_arguments_for_torch_ddp():
+    with pytest.raises(TypeError, match="broadcast_buffers"):
+        ParameterServerStrategy(broadcast_buffers=False)  # type: ignore[call-arg]
+
+
+def test_parameter_server_refuses_a_start_method_other_than_popen():
+    with pytest.raises(ValueError, match=r"start_method='spawn'.*must be 'popen'"):
+        ParameterServerStrategy(start_method="spawn")
 
 
 def test_accelerator_given_positionally_is_the_accelerator():
