@@ -56,6 +56,8 @@ def profile_layers(
     for layer in layers:
         home = next(layer.parameters(), torch.empty(0)).device
         saved_grads = [p.grad for p in layer.parameters()]
+        for p in layer.parameters():
+            p.grad = None  # backward would add into the saved gradient tensors in place
         layer.to(device)
         timings = []
         for _ in range(repeats):
@@ -67,8 +69,6 @@ def profile_layers(
                 out.backward(torch.ones_like(out))
             _sync(device)
             timings.append(time.perf_counter() - start)
-        for p, g in zip(layer.parameters(), saved_grads, strict=True):
-            p.grad = g
         param_bytes = sum(2 * p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad)
         profiles.append(
             LayerProfile(
@@ -78,6 +78,8 @@ def profile_layers(
             )
         )
         layer.to(home)
+        for p, g in zip(layer.parameters(), saved_grads, strict=True):
+            p.grad = g  # after moving home: the saved gradients live there
         x = out.detach()
     return profiles
 

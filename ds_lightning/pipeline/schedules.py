@@ -120,11 +120,12 @@ def check_microbatches(name: str, n_microbatches: int, stages: int, pipeline_siz
             f"schedule={canonical_name(name)!r} needs at least as many micro-batches as stages, but "
             f"n_microbatches={n_microbatches} < {stages} stages. Set n_microbatches>={stages}, or use schedule='GPipe'."
         )
-    if canonical_name(name) == "Interleaved1F1B":
+    # Both interleaved schedules run rounds of n_microbatches // pipeline size micro-batches.
+    if canonical_name(name) in ("Interleaved1F1B", "InterleavedZeroBubble"):
         rounds = max(1, n_microbatches // pipeline_size)
         if n_microbatches % rounds:
             raise ValueError(
-                f"schedule='Interleaved1F1B' needs n_microbatches to be a multiple of "
+                f"schedule={canonical_name(name)!r} needs n_microbatches to be a multiple of "
                 f"n_microbatches // pipeline size ({rounds}); n_microbatches={n_microbatches} is not. Use a multiple "
                 f"of {pipeline_size}."
             )

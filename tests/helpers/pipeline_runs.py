@@ -18,6 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ds_lightning
+from tests.helpers.pipeline_probes import RecordPipeline
 
 FEATURES, CLASSES = 16, 4
 
@@ -137,7 +138,9 @@ def do_run(run: dict[str, Any]) -> None:
         "use_distributed_sampler": False,
         **run.get("trainer", {}),
     }
-    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(run), **options)
+    # "probe": every rank records the schedules built and each layer's forward calls to PROBE.rank{R}.json.
+    callbacks = [RecordPipeline(run["probe"])] if run.get("probe") else []
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=_strategy(run), callbacks=callbacks, **options)
     action = run.get("action", "fit")
     result: dict[str, Any] = {}
     if action == "fit":
