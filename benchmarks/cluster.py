@@ -1,18 +1,18 @@
 """Benchmarks on shaped links of a real multi-host cluster made of network namespaces, every task driven by TF_CONFIG.
 
-Builds its own cluster of 3 hosts (``tests.cluster.netns.Cluster``: namespaces on one bridge, needs root and iproute2;
-it skips with the missing requirement otherwise) and runs every task as its own process on its own host, configured
-by ``TF_CONFIG`` alone: no ``MASTER_ADDR``/``MASTER_PORT``, and ``GLOO_SOCKET_IFNAME`` is never set here (the pack picks
-the interface holding each task's address). Hosts 0 and 1 are the two workers; host 2 holds the parameter server.
-Links are shaped with ``Cluster.shape`` (both directions of a host's link; ``tbf`` rate limiting on kernels without
-``netem``, where a delay cannot be emulated). Every process runs 1 thread.
+Builds its own cluster of 3 hosts (``ds_lightning.testing.netns.Cluster``: namespaces on one bridge, needs root and
+iproute2; it skips with the missing requirement otherwise) and runs every task as its own process on its own host,
+configured by ``TF_CONFIG`` alone: no ``MASTER_ADDR``/``MASTER_PORT``, and ``GLOO_SOCKET_IFNAME`` is never set here (the
+pack picks the interface holding each task's address). Hosts 0 and 1 are the two workers; host 2 holds the parameter
+server. Links are shaped with ``Cluster.shape`` (both directions of a host's link; ``tbf`` rate limiting on kernels
+without ``netem``, where a delay cannot be emulated). Every process runs 1 thread.
 
 1. **gradient_compression on slow links.** ds_mirrored on 2 worker hosts, the digits classifier widened to about 10M
    parameters (64-2240-2240-2240-10), batch 32 per worker, both workers' links shaped to 1 Gbit/s, then 100 Mbit/s
    (and the same with 1 ms delay, measured only where the kernel has netem). Settings none, fp16, bf16 and powersgd at
    ``--powersgd-ranks``; ``powersgd_start_iter`` is ``--powersgd-start-iter`` (1: only the first warm-up step is a
    plain all-reduce, every timed step is compressed). Step time = rank 0's median over the timed steps; speedup =
-   none / setting per round. Target: at 100 Mbit/s the best setting is >= 5x faster than none. Accuracy: rank 0's
+   none / setting per repeat. Target: at 100 Mbit/s the best setting is >= 5x faster than none. Accuracy: rank 0's
    validation accuracy after the timed runs' steps, and after ``--acc-steps`` steps in one extra run per setting on
    the unshaped cluster link (the link changes how long a step takes, not what it computes).
 2. **ds_parameter_server vs ds_mirrored on an uneven link.** Worker 0's link at 1 Gbit/s, worker 1's at 100 Mbit/s,
@@ -23,51 +23,38 @@ Links are shaped with ``Cluster.shape`` (both directions of a host's link; ``tbf
    ``--global-batch``, ``DynamicLoadBalancer(interval=0)`` (equal split) against ``interval=--interval``; rank 0's
    epoch time (median over the timed epochs). The balancer times compute, not the wire.
 
-Configurations are interleaved round by round (each round: part 1 on every link, then parts 2 and 3; within a launch
-the configurations run one after the other in one process per task, the order rotating by round), repeated
-``--rounds`` times; the tables give medians, per-round ratios and the min-max spread. Every launch has a time limit
+Configurations are interleaved repeat by repeat (each repeat: part 1 on every link, then parts 2 and 3; within a
+launch the configurations run one after the other in one process per task, the order rotating by repeat), repeated
+``--repeats`` times; the tables give medians, per-repeat ratios and the min-max spread. Every launch has a time limit
 per configuration: a configuration that fails or hangs is recorded as failed and the launch's remaining
 configurations are started again without it. The cluster is always torn down.
 
-Writes ``cluster.json``, ``cluster.md`` and ``cluster.png`` to ``results/`` (or ``--out``; ``--quick``, 1 round of very
-few steps, writes to a temporary folder unless ``--out`` is given).
+The launching and link plumbing is in ``_cluster_launch.py``; the command line is the benchmark harness's.
 
-    python benchmarks/cluster.py [--quick] [--rounds 3] [--steps 5] [--warmup 2] [--acc-steps 60]
+    python benchmarks/cluster.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--steps 5] [--warmup 2]
+                                 [--acc-steps 60]
                                  [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--ps-steps 50]
                                  [--ps-staleness none] [--balance-epochs 5] [--balance-warmup-epochs 3]
                                  [--global-batch 512] [--interval 3] [--parts compression ps balance]
-                                 [--timeout 240] [--dist-timeout 120] [--out DIR]
+                                 [--timeout 240] [--dist-timeout 120]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import load_balance
-from _launch import free_port, package_state, spread, worker_env
 
+from benchmarks import harness
+from benchmarks._cluster_launch import LAUNCHES, WORKERS, probe_link, rotated, run_configs, shape_links
+from benchmarks.harness import spread
+from benchmarks.load_balance import reading as balance_reading
 from ds_lightning.testing import netns
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
-WORKER = HERE / "_cluster_worker.py"
-
-WORKERS = 2
 BATCH = 32
 LR = 0.05
 TARGET_SPEEDUP = 5.0  # best compression vs none at 100 Mbit/s
@@ -86,224 +73,6 @@ UNEVEN_MBIT = (1000.0, 100.0)
 MIRRORED = "ds_mirrored"
 EQUAL = "equal"
 BALANCED = "balanced"
-_ENV_DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
-_GRACE_S = 15.0  # how long the other tasks of a launch may run on after one of them failed
-LAUNCHES: list[dict[str, Any]] = []  # every launch: its configurations, duration, time to import, exit codes
-
-# Sends argv[2] bytes to argv[1]:argv[3] (the receiver times them); a link probe without torch.
-_SEND_CODE = (
-    "import socket, sys\n"
-    "s = socket.create_connection((sys.argv[1], int(sys.argv[3])), timeout=60)\n"
-    "left = int(sys.argv[2]); chunk = b'x' * (1 << 20)\n"
-    "while left > 0:\n"
-    "    s.sendall(chunk[: min(left, len(chunk))]); left -= len(chunk)\n"
-    "s.close()\n"
-)
-_RECEIVE_CODE = (
-    "import socket, sys, time\n"
-    "srv = socket.create_server((sys.argv[1], int(sys.argv[2]))); srv.settimeout(60)\n"
-    "print('ready', flush=True)\n"
-    "conn, _ = srv.accept(); conn.settimeout(60); got = 0; start = None\n"
-    "while True:\n"
-    "    data = conn.recv(1 << 20)\n"
-    "    if not data: break\n"
-    "    if start is None: start = time.perf_counter()\n"
-    "    got += len(data)\n"
-    "print(got, time.perf_counter() - start, flush=True)\n"
-)
-
-
-# --- the cluster ------------------------------------------------------------------------------------------------------
-
-
-def shape_links(cluster: netns.Cluster, rates: dict[int, tuple[float, float | None]]) -> dict[str, Any]:
-    """Host i's link shaped to ``rates[i]`` = (Mbit/s, delay ms or None); every other host's link unshaped.
-
-    Raises:
-        netns.ShapingUnsupportedError: a delay was asked for and the kernel has no netem (links left unshaped).
-    """
-    for host in cluster.hosts:
-        cluster.unshape(host)
-    kinds = {}
-    try:
-        for index, (rate, delay) in rates.items():
-            kinds[index] = cluster.shape(cluster.hosts[index], rate_mbit=rate, delay_ms=delay)
-    except netns.ShapingUnsupportedError:
-        for host in cluster.hosts:
-            cluster.unshape(host)
-        raise
-    return {"qdisc": kinds, "tc": {i: cluster.qdiscs(cluster.hosts[i])[0].strip() for i in rates}}
-
-
-def probe_link(cluster: netns.Cluster, src: int, dst: int, mbytes: float) -> float | None:
-    """TCP throughput from host ``src`` to host ``dst`` in Mbit/s (``mbytes`` MB sent), or None if the probe failed."""
-    receiver, sender = cluster.hosts[dst], cluster.hosts[src]
-    port = free_port()
-    recv = receiver.run(
-        [sys.executable, "-I", "-S", "-c", _RECEIVE_CODE, receiver.address, str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert recv.stdout is not None
-        if recv.stdout.readline().strip() != "ready":
-            return None
-        size = int(mbytes * 1e6)
-        sender.check_output([sys.executable, "-I", "-S", "-c", _SEND_CODE, receiver.address, str(size), str(port)], 120)
-        out, _ = recv.communicate(timeout=60)
-        got, seconds = out.split()
-        return int(got) * 8 / float(seconds) / 1e6
-    except (subprocess.SubprocessError, ValueError, OSError, AssertionError):
-        return None
-    finally:
-        if recv.poll() is None:
-            recv.kill()
-            recv.wait()
-
-
-# --- launching --------------------------------------------------------------------------------------------------------
-
-
-def _tf_config(cluster: netns.Cluster, with_ps: bool, port: int) -> tuple[dict[str, Any], list[tuple[int, str, int]]]:
-    """The cluster spec and the (host, task type, task index) of every task: workers on hosts 0 and 1, ps on 2."""
-    address = [f"{host.address}:{port}" for host in cluster.hosts]
-    if with_ps:
-        return (
-            {"chief": [address[0]], "worker": [address[1]], "ps": [address[2]]},
-            [(0, "chief", 0), (1, "worker", 0), (2, "ps", 0)],
-        )
-    return {"worker": address[:WORKERS]}, [(i, "worker", i) for i in range(WORKERS)]
-
-
-def _error_lines(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line or "Killed" in line]
-    return lines[-1][:300] if lines else ""
-
-
-def launch(
-    cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace
-) -> dict[str, Any]:
-    """One process per task on its own host, running ``configs`` in order; their records, or why they stopped.
-
-    Killed when a configuration takes longer than ``opts.timeout`` (counted from the launch or the previous
-    configuration's end), or ``_GRACE_S`` after any task failed.
-    """
-    tmp = Path(tempfile.mkdtemp(prefix="ds-cluster-bench-"))
-    try:
-        records = tmp / "records"
-        records.mkdir()
-        tf_cluster, tasks = _tf_config(cluster, spec.get("with_ps", False), free_port())
-        spec_path = tmp / "spec.json"
-        spec_path.write_text(json.dumps({**spec, "configs": configs, "records": str(records)}))
-        procs, logs = [], []
-        start, wall_start = time.monotonic(), time.time()
-        for host_index, task_type, task_index in tasks:
-            env = worker_env(threads=1, rendezvous=False)
-            for variable in _ENV_DROP:
-                env.pop(variable, None)
-            env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "task": {"type": task_type, "index": task_index}})
-            log = tmp / f"{task_type}{task_index}.log"
-            logs.append(log)
-            with log.open("w") as out:
-                procs.append(
-                    cluster.hosts[host_index].run(
-                        [sys.executable, str(WORKER), str(spec_path)],
-                        cwd=tmp,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        done = 0
-        progress = start
-        failed_at: float | None = None
-        reason = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            finished = sum(
-                all((records / f"{c['name']}.rank{r}.json").exists() for r in range(WORKERS)) for c in configs
-            )
-            if finished > done:
-                done, progress = finished, now
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = now
-            if now - progress > opts.timeout:
-                reason = f"timed out after {opts.timeout:.0f} s"
-                break
-            if failed_at is not None and now - failed_at > _GRACE_S:
-                break
-            time.sleep(0.2)
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        rcs = [p.returncode for p in procs]
-        texts = [log.read_text(errors="replace") for log in logs]
-        result: dict[str, Any] = {"launch_s": time.monotonic() - start, "exit_codes": rcs, "records": {}}
-        for config in configs:
-            ranks = {}
-            for rank in range(WORKERS):
-                path = records / f"{config['name']}.rank{rank}.json"
-                if path.exists():
-                    ranks[rank] = json.loads(path.read_text())
-            if len(ranks) == WORKERS:
-                result["records"][config["name"]] = ranks
-        imported = [json.loads(p.read_text())["imported_at"] for p in records.glob("started.*")]
-        result["import_s"] = max(imported) - wall_start if imported else None
-        if len(result["records"]) < len(configs):
-            why = reason or "exit codes " + ", ".join(f"{t[1]}{t[2]}={rc}" for t, rc in zip(tasks, rcs, strict=True))
-            errors = [e for e in (_error_lines(t) for t in texts) if e]
-            result["error"] = why + (f", {errors[0]}" if errors else "")
-            result["log_tail"] = "\n".join(f"--- {log.name}\n{t[-1500:]}" for log, t in zip(logs, texts, strict=True))
-        return result
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def run_configs(
-    cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace
-) -> tuple[dict[str, dict[int, dict[str, Any]] | dict[str, Any]], list[float]]:
-    """Every configuration's records (or ``{"error": ...}``): a failed one is recorded, the rest launched again.
-
-    Returns:
-        The records by configuration name, and the duration of every launch (also noted in ``LAUNCHES``).
-    """
-    out: dict[str, Any] = {}
-    launches: list[float] = []
-    remaining = list(configs)
-    while remaining:
-        result = launch(cluster, spec, remaining, opts)
-        launches.append(result["launch_s"])
-        LAUNCHES.append(
-            {
-                "kind": spec["kind"],
-                "configs": [c["name"] for c in remaining],
-                "launch_s": result["launch_s"],
-                "import_s": result["import_s"],
-                "exit_codes": result["exit_codes"],
-                "error": result.get("error"),
-            }
-        )
-        for i, config in enumerate(remaining):
-            name = config["name"]
-            if name in result["records"]:
-                out[name] = result["records"][name]
-                continue
-            out[name] = {"error": result.get("error", "no records"), "log_tail": result.get("log_tail", "")}
-            print(f"    {name}: FAILED {out[name]['error']}", flush=True)
-            remaining = remaining[i + 1 :]
-            break
-        else:
-            remaining = []
-    return out, launches
-
-
-def rotated(items: list[Any], r: int) -> list[Any]:
-    k = r % len(items) if items else 0
-    return items[k:] + items[:k]  # no configuration always runs first
-
 
 # --- part 1: gradient_compression ------------------------------------------------------------------------------------
 
@@ -364,7 +133,7 @@ def run_compression_round(
             shaped = shape_links(cluster, rates)
         except netns.ShapingUnsupportedError as error:
             setup["unsupported"][key] = f"{NO_NETEM} ({error})"
-            print(f"  round {r + 1} part 1 {link['label']}: {NO_NETEM}", flush=True)
+            print(f"  repeat {r + 1} part 1 {link['label']}: {NO_NETEM}", flush=True)
             continue
         setup["links"].setdefault(key, shaped)
         order = rotated(configs, r)
@@ -376,7 +145,7 @@ def run_compression_round(
             raw[key][name].append(result)
             if "error" not in result:
                 print(
-                    f"  round {r + 1} part 1 {link['label']:>11} {name:>12}: {result['median_step_ms']:8.1f} ms/step,"
+                    f"  repeat {r + 1} part 1 {link['label']:>11} {name:>12}: {result['median_step_ms']:8.1f} ms/step,"
                     f" {result['bytes_per_step'] / 1e6:7.3f} MB/step, acc {result['final_acc']:.3f}",
                     flush=True,
                 )
@@ -450,8 +219,11 @@ def merge_ps(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 def merge_balance(ranks: dict[int, dict[str, Any]], warmup_epochs: int) -> dict[str, Any]:
     """The same figures as ``make bench-balance`` takes from its ranks' records (the records have the same form)."""
-    merged = load_balance.merge(ranks, None, 0.0, warmup_epochs)
-    return {k: v for k, v in merged.items() if k not in ("exit_code", "launch_s")}
+    r = balance_reading({"rc": None, "result.0": ranks[0], "result.1": ranks[1]}, warmup_epochs)
+    r["compute_ms_per_sample"] = [r.pop("compute_ms_per_sample_r0"), r.pop("compute_ms_per_sample_r1")]
+    r["median_epoch_s"], r["median_step_ms"], r["epoch_s"] = r.pop("epoch_s"), r.pop("step_ms"), r.pop("epochs")
+    r["step_ms"], r["sizes"] = r.pop("step_ms_trace"), r.pop("sizes_trace")  # rank 0's, per step, for the chart
+    return {k: v for k, v in r.items() if k != "rc"}
 
 
 def run_uneven_round(
@@ -470,7 +242,7 @@ def run_uneven_round(
             raw["ps"][config["name"]].append(result)
             if "error" not in result:
                 print(
-                    f"  round {r + 1} part 2 {config['name']:>18}: {result['samples_per_s']:7.1f} samples/s,"
+                    f"  repeat {r + 1} part 2 {config['name']:>18}: {result['samples_per_s']:7.1f} samples/s,"
                     f" steps {result['steps']}, median step {result['step_ms'][0]:.0f}/{result['step_ms'][1]:.0f} ms,"
                     f" acc {result['final_acc']:.3f} ({launches[0]:.0f} s launch)",
                     flush=True,
@@ -491,7 +263,7 @@ def run_uneven_round(
             raw["balance"][config["name"]].append(result)
             if "error" not in result:
                 print(
-                    f"  round {r + 1} part 3 {config['name']:>18}: epoch {result['median_epoch_s']:.2f} s, step"
+                    f"  repeat {r + 1} part 3 {config['name']:>18}: epoch {result['median_epoch_s']:.2f} s, step"
                     f" {result['median_step_ms']:.0f} ms, final sizes {result['final_sizes']}, compute/sample"
                     f" {result['compute_ms_per_sample'][0]:.3f}/{result['compute_ms_per_sample'][1]:.3f} ms,"
                     f" acc {result['final_acc']:.3f}",
@@ -582,18 +354,15 @@ def verdict(comp: dict[str, Any], accuracy: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fmt(v: dict[str, Any] | None, f: str = ".0f", scale: float = 1.0) -> str:
-    if v is None:
-        return "-"
-    return f"{scale * v['median']:{f}} [{scale * v['min']:{f}} - {scale * v['max']:{f}}]"
+    return harness.fmt(v, f, scale)
 
 
 def _params(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e6:.2f}M"
 
 
-def write_outputs(data: dict[str, Any], out: Path) -> list[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cluster.json").write_text(json.dumps(data, indent=2))
+def markdown(data: dict[str, Any]) -> list[str]:
+    """The tables and notes, from the flat view of :meth:`Cluster.view`."""
     setup = data["setup"]
     hidden = "-".join(str(h) for h in data["hidden"])
     ps_hidden = "-".join(str(h) for h in data["ps_hidden"])
@@ -601,12 +370,12 @@ def write_outputs(data: dict[str, Any], out: Path) -> list[str]:
     probe_text = ", ".join(f"{k}: {v:.0f} Mbit/s" if v else f"{k}: failed" for k, v in probes.items())
     lines = [
         f"**Setup.** A network-namespace cluster of 3 hosts on one bridge (host 0 and host 1: the workers; host 2: the"
-        f" parameter server), built by `tests.cluster.netns.Cluster`; one process per TF_CONFIG task, 1 thread each,"
-        f" gloo, `Trainer(devices=1)`, no MASTER_ADDR/MASTER_PORT/GLOO_SOCKET_IFNAME in the environment (the pack"
+        f" parameter server), built by `ds_lightning.testing.netns.Cluster`; one process per TF_CONFIG task, 1 thread"
+        f" each, gloo, `Trainer(devices=1)`, no MASTER_ADDR/MASTER_PORT/GLOO_SOCKET_IFNAME in the environment (the pack"
         f" picks each task's interface). Links shaped on both directions of a host's veth by `Cluster.shape`"
         f" (qdisc: {setup.get('qdisc_kind', '?')}). Measured TCP throughput host 1 -> host 0 (one stream, Python"
-        f" sockets): {probe_text or 'not probed'}. {data['rounds']} interleaved round(s); median [min - max] over"
-        f" rounds, ratios taken per round. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine.",
+        f" sockets): {probe_text or 'not probed'}. {data['repeats']} interleaved repeat(s); median [min - max] over"
+        f" repeats, ratios taken per repeat. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine.",
         "",
     ]
     comp = data.get("compression")
@@ -621,7 +390,7 @@ def write_outputs(data: dict[str, Any], out: Path) -> list[str]:
             " median over the timed steps, batch start to batch end;"
             f" powersgd_start_iter={data['powersgd_start_iter']}: only the first warm-up step is a plain all-reduce,"
             " every timed step is compressed). Speedup ="
-            f" none's step time / the setting's, per round. Accuracy: validation accuracy of rank 0's final"
+            f" none's step time / the setting's, per repeat. Accuracy: validation accuracy of rank 0's final"
             f" parameters (360 held-out digits), after the {data['warmup'] + data['steps']} steps of the shaped runs"
             f" (median over all their runs), and after {data['acc_steps']} steps in one extra run per setting on the"
             " unshaped cluster link (same seed and data order; the link changes a step's duration, not its result).",
@@ -729,20 +498,17 @@ def write_outputs(data: dict[str, Any], out: Path) -> list[str]:
             )
         lines += [
             "",
-            "| balanced / equal, per round | median [min - max] |",
+            "| balanced / equal, per repeat | median [min - max] |",
             "|---|---|",
             f"| epoch time | {_fmt(bal['ratio_epoch'], '.3f')} |",
             f"| median step time, rank 0 | {_fmt(bal['ratio_step'], '.3f')} |",
             "",
         ]
-    lines += data.get("notes", [])
-    (out / "cluster.md").write_text("\n".join(lines).rstrip() + "\n")
-    plot(data, out / "cluster.png")
-    return lines
+    return [*lines, *data.get("notes", [])]
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
+    import matplotlib  # here: running the benchmark needs no matplotlib until it writes
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -845,61 +611,6 @@ def plot(data: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
-# --- main -------------------------------------------------------------------------------------------------------------
-
-
-def _flat(runs: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run records of ``{name: record}`` or ``{name: [record, ...]}``."""
-    return [r for v in runs.values() for r in (v if isinstance(v, list) else [v])]
-
-
-def _staleness(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 round of very few steps: a smoke test")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (3; 1 with --quick)")
-    parser.add_argument("--steps", type=int, default=None, help="part 1: timed steps per run (5; 2 with --quick)")
-    parser.add_argument("--warmup", type=int, default=None, help="part 1: warm-up steps per run (2; 1 with --quick)")
-    parser.add_argument("--acc-steps", type=int, default=None, help="part 1: steps of the accuracy runs (60; 6)")
-    parser.add_argument("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths")
-    parser.add_argument("--powersgd-ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD ranks to try (1 4)")
-    parser.add_argument("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1)")
-    parser.add_argument("--ps-hidden", type=int, nargs="+", default=[1024, 1024], help="parts 2 and 3's widths")
-    parser.add_argument("--ps-steps", type=int, default=None, help="part 2: ds_mirrored steps per worker (50; 8)")
-    parser.add_argument(
-        "--ps-staleness", type=_staleness, nargs="+", default=[None], help="part 2: max_staleness values (none)"
-    )
-    parser.add_argument("--balance-epochs", type=int, default=None, help="part 3: timed epochs (5; 1 with --quick)")
-    parser.add_argument("--balance-warmup-epochs", type=int, default=None, help="part 3: untimed epochs (3; 1)")
-    parser.add_argument("--global-batch", type=int, default=512, help="part 3: samples per step (512)")
-    parser.add_argument("--interval", type=int, default=3, help="part 3: the balancer's re-division interval (3)")
-    parser.add_argument(
-        "--parts", nargs="+", choices=["compression", "ps", "balance"], default=["compression", "ps", "balance"]
-    )
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds one configuration may take (240)")
-    parser.add_argument("--dist-timeout", type=int, default=120, help="seconds any collective or server reply waits")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="output folder (default benchmarks/results; a temp folder with --quick)"
-    )
-    parser.add_argument(
-        "--render", action="store_true", help="only rewrite the table and chart from the output folder's cluster.json"
-    )
-    opts = parser.parse_args()
-    defaults = (
-        {"rounds": 1, "steps": 2, "warmup": 1, "acc_steps": 6, "ps_steps": 8, "balance_epochs": 1}
-        if opts.quick
-        else {"rounds": 3, "steps": 5, "warmup": 2, "acc_steps": 60, "ps_steps": 50, "balance_epochs": 5}
-    )
-    defaults["balance_warmup_epochs"] = 1 if opts.quick else 3
-    for name, value in defaults.items():
-        if getattr(opts, name) is None:
-            setattr(opts, name, value)
-    return opts
-
-
 def notes(data: dict[str, Any]) -> list[str]:
     """Observations computed from the figures, so they always describe the numbers above them."""
     out = []
@@ -970,92 +681,111 @@ def notes(data: dict[str, Any]) -> list[str]:
     return ["**Notes**", "", *out] if out else []
 
 
-def render(out: Path) -> None:
-    """Re-derives verdict, notes, table and chart from a finished run's raw figures (no cluster needed)."""
-    data = json.loads((out / "cluster.json").read_text())
-    if data.get("compression") is not None:
-        data["targets"] = [verdict(data["compression"], data.get("accuracy") or {})]
-    data["notes"] = notes(data)
-    print("\n".join(write_outputs(data, out)))
+def _flat(runs: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run records of ``{name: record}`` or ``{name: [record, ...]}``."""
+    return [r for v in runs.values() for r in (v if isinstance(v, list) else [v])]
 
 
-def main() -> None:
-    opts = parse_args()
-    if opts.render:
-        render(opts.out or RESULTS)
-        return
-    missing = netns.missing_requirements()
-    if missing is not None:
-        print(f"cluster benchmark skipped: the network-namespace cluster cannot be built here: {missing}", flush=True)
-        return
-    if opts.out is None:  # a smoke test never overwrites the real results
-        opts.out = Path(tempfile.mkdtemp(prefix="ds-cluster-quick-")) if opts.quick else RESULTS
-    start = time.monotonic()
-    package_at_start = package_state()
-    comp_names = [c["name"] for c in compression_configs(opts)]
-    raw: dict[str, Any] = {
-        "compression": {link["key"]: {n: [] for n in comp_names} for link in LINKS},
-        "ps": {c["name"]: [] for c in ps_configs(opts)},
-        "balance": {EQUAL: [], BALANCED: []},
-    }
-    setup: dict[str, Any] = {"links": {}, "unsupported": {}, "probes": {}}
-    accuracy: dict[str, Any] = {}
-    with netns.Cluster(3) as cluster:
-        setup["hosts"] = [{"name": h.name, "address": h.address} for h in cluster.hosts]
-        setup["qdisc_kind"] = "netem" if netns.netem_available() else "tbf (no netem in this kernel)"
-        for label, rate in (("unshaped", None), ("1 Gbit/s", 1000.0), ("100 Mbit/s", 100.0)):
-            if rate is None:
-                for host in cluster.hosts:
-                    cluster.unshape(host)
-            else:
-                shape_links(cluster, {i: (rate, None) for i in range(WORKERS)})
-            setup["probes"][label] = probe_link(cluster, 1, 0, 200.0 if rate is None else rate / 8 * 1.5)
-            print(f"  link probe host 1 -> host 0, {label}: {setup['probes'][label] or 0:.0f} Mbit/s", flush=True)
-        for r in range(opts.rounds):
+def _staleness(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+class Cluster(harness.Benchmark):
+    name = "cluster"
+    description = __doc__
+    defaults = {"repeats": 3, "steps": 5, "warmup": 2, "acc_steps": 60, "ps_steps": 50, "balance_epochs": 5}
+    defaults |= {"balance_warmup_epochs": 3}
+    quick = {"repeats": 1, "steps": 2, "warmup": 1, "acc_steps": 6, "ps_steps": 8, "balance_epochs": 1}
+    quick |= {"balance_warmup_epochs": 1}
+
+    def options(self, parser: argparse.ArgumentParser) -> None:
+        add = parser.add_argument
+        add("--steps", type=int, default=None, help="part 1: timed steps per run (5; 2 with --quick)")
+        add("--warmup", type=int, default=None, help="part 1: warm-up steps per run (2; 1 with --quick)")
+        add("--acc-steps", type=int, default=None, help="part 1: steps of the accuracy runs (60; 6)")
+        add("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths")
+        add("--powersgd-ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD ranks to try (1 4)")
+        add("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1)")
+        add("--ps-hidden", type=int, nargs="+", default=[1024, 1024], help="parts 2 and 3's widths")
+        add("--ps-steps", type=int, default=None, help="part 2: ds_mirrored steps per worker (50; 8)")
+        add("--ps-staleness", type=_staleness, nargs="+", default=[None], help="part 2: max_staleness values (none)")
+        add("--balance-epochs", type=int, default=None, help="part 3: timed epochs (5; 1 with --quick)")
+        add("--balance-warmup-epochs", type=int, default=None, help="part 3: untimed epochs (3; 1)")
+        add("--global-batch", type=int, default=512, help="part 3: samples per step (512)")
+        add("--interval", type=int, default=3, help="part 3: the balancer's re-division interval (3)")
+        add("--parts", nargs="+", choices=["compression", "ps", "balance"], default=["compression", "ps", "balance"])
+        add("--timeout", type=float, default=240.0, help="seconds one configuration may take (240)")
+        add("--dist-timeout", type=int, default=120, help="seconds any collective or server reply waits")
+
+    def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
+        """Part 1 on every link, then parts 2 and 3, per repeat; then the accuracy runs. Raw results by part."""
+        missing = netns.missing_requirements()
+        if missing is not None:
+            print(f"cluster benchmark skipped: the network-namespace cluster cannot be built here: {missing}")
+            raise SystemExit(0)
+        comp_names = [c["name"] for c in compression_configs(opts)]
+        raw: dict[str, Any] = {
+            "compression": {link["key"]: {n: [] for n in comp_names} for link in LINKS},
+            "ps": {c["name"]: [] for c in ps_configs(opts)},
+            "balance": {EQUAL: [], BALANCED: []},
+        }
+        setup: dict[str, Any] = {"links": {}, "unsupported": {}, "probes": {}}
+        accuracy: dict[str, Any] = {}
+        with netns.Cluster(3) as cluster:
+            setup["hosts"] = [{"name": h.name, "address": h.address} for h in cluster.hosts]
+            setup["qdisc_kind"] = "netem" if netns.netem_available() else "tbf (no netem in this kernel)"
+            for label, rate in (("unshaped", None), ("1 Gbit/s", 1000.0), ("100 Mbit/s", 100.0)):
+                if rate is None:
+                    for host in cluster.hosts:
+                        cluster.unshape(host)
+                else:
+                    shape_links(cluster, {i: (rate, None) for i in range(WORKERS)})
+                setup["probes"][label] = probe_link(cluster, 1, 0, 200.0 if rate is None else rate / 8 * 1.5)
+                print(f"  link probe host 1 -> host 0, {label}: {setup['probes'][label] or 0:.0f} Mbit/s", flush=True)
+            for r in range(opts.repeats):
+                if "compression" in opts.parts:
+                    run_compression_round(cluster, r, opts, raw["compression"], setup)
+                if "ps" in opts.parts or "balance" in opts.parts:
+                    run_uneven_round(cluster, r, opts, raw, setup)
             if "compression" in opts.parts:
-                run_compression_round(cluster, r, opts, raw["compression"], setup)
-            if "ps" in opts.parts or "balance" in opts.parts:
-                run_uneven_round(cluster, r, opts, raw, setup)
-        if "compression" in opts.parts:
-            accuracy = run_accuracy(cluster, opts)
-    comp = summarise_compression(raw["compression"]) if "compression" in opts.parts else None
-    data: dict[str, Any] = {
-        "package": package_at_start,
-        "rounds": opts.rounds,
-        "warmup": opts.warmup,
-        "steps": opts.steps,
-        "acc_steps": opts.acc_steps,
-        "hidden": opts.hidden,
-        "params": next(
-            (r["params"] for runs in [accuracy, *raw["compression"].values()] for r in _flat(runs) if "params" in r),
-            None,
-        ),
-        "powersgd_start_iter": opts.powersgd_start_iter,
-        "compression_configs": compression_configs(opts),
-        "ps_hidden": opts.ps_hidden,
-        "ps_steps": opts.ps_steps,
-        "global_batch": opts.global_batch,
-        "interval": opts.interval,
-        "balance_epochs": opts.balance_epochs,
-        "balance_warmup_epochs": opts.balance_warmup_epochs,
-        "setup": setup,
-        "compression": comp,
-        "accuracy": accuracy,
-        "ps": summarise_ps(raw["ps"]) if "ps" in opts.parts else None,
-        "balance": summarise_balance(raw["balance"]) if "balance" in opts.parts else None,
-        "targets": [verdict(comp, accuracy or {})] if comp is not None else [],
-        "seconds": time.monotonic() - start,
-        "launches": LAUNCHES,
-        "raw": raw,
-    }
-    data["notes"] = notes(data)
-    if package_state() != package_at_start:  # every launch imports the package afresh: say so if it changed
-        data["package_at_end"] = package_state()
-        print("  note: the package changed while the benchmark ran (see package / package_at_end)", flush=True)
-    lines = write_outputs(data, opts.out)
-    print("\n".join(lines))
-    print(f"wrote {opts.out}/cluster.{{json,md,png}} in {data['seconds'] / 60:.1f} min", flush=True)
+                accuracy = run_accuracy(cluster, opts)
+        params = (
+            r["params"] for runs in [accuracy, *raw["compression"].values()] for r in _flat(runs) if "params" in r
+        )
+        return {
+            "compression_configs": compression_configs(opts),
+            "params": next(params, None),
+            "setup": setup,
+            "accuracy": accuracy,
+            "launches": LAUNCHES,
+            "records": [],  # this benchmark keeps its runs by part, link and configuration in "raw"
+            "raw": raw,
+        }
+
+    def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
+        parts, raw = data["settings"]["parts"], data["raw"]
+        comp = summarise_compression(raw["compression"]) if "compression" in parts else None
+        out = {
+            "compression": comp,
+            "ps": summarise_ps(raw["ps"]) if "ps" in parts else None,
+            "balance": summarise_balance(raw["balance"]) if "balance" in parts else None,
+            "targets": [verdict(comp, data.get("accuracy") or {})] if comp is not None else [],
+        }
+        out["notes"] = notes(self.view({**data, "summary": out}))
+        return out
+
+    @staticmethod
+    def view(data: dict[str, Any]) -> dict[str, Any]:
+        """One flat mapping of the options, the run's facts and the summary, as the tables read them."""
+        return {**data["settings"], **data, **data["summary"]}
+
+    def report(self, data: dict[str, Any]) -> list[str]:
+        return markdown(self.view(data))
+
+    def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
+        plot(self.view(data), out / "cluster.png")
+        return [out / "cluster.png"]
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(Cluster())
