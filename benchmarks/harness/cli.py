@@ -134,13 +134,14 @@ def main(bench: Benchmark, argv: Sequence[str] | None = None) -> dict[str, Any]:
         return data
     start = time.monotonic()
     package = package_state()
+    meta = bench.meta(opts)  # may complete the options (e.g. "auto" resolved): the settings record the result
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k not in ("out", "render")}
     data: dict[str, Any] = {
         "benchmark": bench.name,
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "settings": settings,
         "package": package,
-        **bench.meta(opts),
+        **meta,
     }
     data.update(bench.collect(opts))
     data["seconds"] = time.monotonic() - start

@@ -24,7 +24,30 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Failed(RuntimeError):
-    """A run that produced no result; its message becomes the record's ``"error"``."""
+    """A run that produced no result; its message becomes the record's ``"error"``.
+
+    Args:
+        message: why (exit code, timeout, the last error in the log).
+        found: whatever the launch did write (see :func:`launch`), for a benchmark that keeps partial results.
+        log: the launch's output.
+
+    """
+
+    def __init__(self, message: str, found: dict[str, Any] | None = None, log: str = "") -> None:
+        super().__init__(message)
+        self.found = found or {}
+        self.log = log
+
+
+def _read(path: Path) -> Any:
+    """A JSON file, or a JSON-lines file as a list (a line cut short by a kill is left out)."""
+    if path.suffix != ".jsonl":
+        return json.loads(path.read_text())
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
 
 
 def worker_env(threads: int = 1, rendezvous: bool = True, **extra: str) -> dict[str, str]:
@@ -48,13 +71,15 @@ def launch(
     """Run ``python worker spec.json`` in a session of its own; the JSON files it wrote, its duration and its log.
 
     The spec gains ``"out_dir"``, the folder the worker writes ``result*.json`` to (one file, or one per rank:
-    ``result.<rank>.json``). Whatever the launch left running is killed afterwards: exactly its own process group.
+    ``result.<rank>.json``; ``.jsonl`` files, read line by line, with another ``outputs`` pattern). Whatever the
+    launch left running is killed afterwards: exactly its own process group.
 
     Returns:
         ``({file stem: parsed JSON}, seconds, log)``; the mapping has ``"rc"`` too (the exit code or ``"timeout"``).
 
     Raises:
-        Failed: the worker wrote nothing; the message has its exit code and the last error in its log.
+        Failed: the worker wrote nothing or timed out; the message has its exit code and the last error in its log,
+            the exception what it did write.
 
     """
     with tempfile.TemporaryDirectory(prefix="ds-bench-") as tmp:
@@ -82,11 +107,11 @@ def launch(
                 proc.wait()
         seconds = time.monotonic() - start
         text = log_path.read_text(errors="replace")
-        found = {p.stem: json.loads(p.read_text()) for p in sorted(Path(tmp).glob(outputs))}
+        found = {p.stem: _read(p) for p in sorted(Path(tmp).glob(outputs))}
     if not found or rc == "timeout":
         reason = f"timed out after {timeout:.0f} s" if rc == "timeout" else f"exit code {rc}"
         line = error_line(text)
-        raise Failed(f"{reason}, {line}" if line else reason)
+        raise Failed(f"{reason}, {line}" if line else reason, {"rc": rc, **found}, text)
     return {"rc": rc, **found}, seconds, text
 
 
