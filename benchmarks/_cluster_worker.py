@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
+from benchmarks.harness.timing import StepTimer
 from ds_lightning.callbacks import DynamicLoadBalancer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
@@ -47,51 +48,27 @@ def _budget_spent(trainer: pl.Trainer) -> bool:
     return getattr(trainer.strategy, "max_updates", None) is not None and trainer.should_stop
 
 
-class Clock(Callback):
-    """Times this task's steps and epochs, counts its samples, and notes its compute time when a balancer runs."""
+class Clock(StepTimer):
+    """The harness's step and epoch clock, stopped once a server's update budget is spent; counts this task's samples
+    and notes its compute time when a balancer runs."""
 
     def __init__(self, warmup: int) -> None:
-        self.warmup = warmup
+        super().__init__(warmup)
         self.bytes_at_warmup: float | None = None
-        self.step_s: list[float] = []
-        self.compute_s: list[float] = []
+        self.compute_ms: list[float] = []
         self.sizes: list[int] = []
-        self.epoch_s: list[float] = []
-        self.samples = 0
-        self.first_start: float | None = None
-        self.last_end: float | None = None
-        self._start = 0.0
-        self._epoch_start = 0.0
-        self._epoch_last_end: float | None = None
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self._epoch_start = time.perf_counter()
-        self._epoch_last_end = None
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._start = time.perf_counter()
-        if self.first_start is None:
-            self.first_start = time.time()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        end = time.perf_counter()
         if _budget_spent(trainer):
             return
-        self._epoch_last_end = end
-        self.step_s.append(end - self._start)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        end = self._last_end or time.perf_counter()
         # Set by ds_mirrored's gradient hook while a balancer weights gradients (0 otherwise).
         launched = getattr(trainer.strategy, "last_bucket_time", 0.0)
-        self.compute_s.append((launched if launched > self._start else end) - self._start)
-        size = int(batch[0].shape[0])
-        self.sizes.append(size)
-        self.samples += size
-        self.last_end = time.time()
-        if len(self.step_s) == self.warmup and hasattr(trainer.strategy, "comm_bytes_per_step"):
+        self.compute_ms.append(1000 * ((launched if launched > self._start else end) - self._start))
+        self.sizes.append(int(batch[0].shape[0]))
+        if len(self.step_ms) == self.warmup and hasattr(trainer.strategy, "comm_bytes_per_step"):
             self.bytes_at_warmup = float(trainer.strategy.comm_bytes_per_step)
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        if self._epoch_last_end is not None:
-            self.epoch_s.append(self._epoch_last_end - self._epoch_start)
 
 
 def _strategy(spec: dict[str, Any]) -> Any:
@@ -158,15 +135,15 @@ def fit_one(spec: dict[str, Any], data: DigitsDataModule) -> None:
         "name": spec["name"],
         "rank": rank,
         "fit_s": fit_end - fit_start,
-        "to_first_step_s": (clock.first_start or fit_end) - fit_start,
-        "step_ms": [1000 * t for t in clock.step_s],
-        "compute_ms": [1000 * t for t in clock.compute_s],
+        "to_first_step_s": (clock.spans[0][0] if clock.spans else fit_end) - fit_start,
+        "step_ms": clock.step_ms,
+        "compute_ms": clock.compute_ms,
         "local_sizes": clock.sizes,
         "epoch_s": clock.epoch_s,
-        "samples": clock.samples,
-        "steps": len(clock.step_s),
-        "first_start": clock.first_start,
-        "last_end": clock.last_end,
+        "samples": sum(clock.sizes),
+        "steps": len(clock.step_ms),
+        "first_start": clock.spans[0][0] if clock.spans else None,
+        "last_end": clock.spans[-1][1] if clock.spans else None,
         "params": sum(p.numel() for p in model.parameters()),
         # Tells runs apart whose accuracy happens to coincide (same seed and data; only the gradients' path differs).
         "param_checksum": float(sum(p.detach().double().abs().sum() for p in model.parameters())),

@@ -5,7 +5,7 @@ configurations go through the balancer's data path: ``interval=0`` keeps the equ
 ``interval > 0`` re-divides the global batch by measured throughput. Rank ``slow_rank`` sleeps ``delay_per_sample``
 seconds per sample of its share inside ``training_step`` (so the balancer counts the sleep as compute).
 
-Every rank writes ``rank{r}.json`` into the spec's ``records`` folder: per epoch its wall time (epoch start to the end
+Every rank writes ``result.{r}.json`` into the spec's ``out_dir``: per epoch its wall time (epoch start to the end
 of its last batch), per step its time (batch start to batch end), local batch size and compute time (batch start to
 the launch of its last gradient bucket, the balancer's own measure); rank 0 adds the per-step sizes of every rank
 (``plan.sizes_at``), the final sizes and throughput estimates, and the validation accuracy of the final parameters.
@@ -21,12 +21,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
+from benchmarks.harness.timing import StepTimer
 from ds_lightning.callbacks import DynamicLoadBalancer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
@@ -45,38 +45,22 @@ class SlowClassifier(DigitsClassifier):
         return super().training_step(batch, batch_idx)
 
 
-class Clock(Callback):
-    """Times epochs and steps on this rank, and each step's compute up to the launch of its last gradient bucket."""
+class Clock(StepTimer):
+    """The harness's step and epoch clock, plus each step's compute up to the launch of its last gradient bucket."""
 
     def __init__(self) -> None:
-        self.epoch_s: list[float] = []
-        self.step_s: list[float] = []
-        self.compute_s: list[float] = []
+        super().__init__()
+        self.compute_ms: list[float] = []
         self.sizes: list[int] = []
-        self._epoch_start = 0.0
-        self._last_end: float | None = None
-        self._start = 0.0
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        self._epoch_start = time.perf_counter()
-        self._last_end = None
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._start = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         end = time.perf_counter()
-        self._last_end = end
-        self.step_s.append(end - self._start)
         # Set by ds_mirrored's gradient hook while a balancer weights gradients: the end of this rank's compute,
         # before it waits for the other rank in the all-reduce.
         launched = trainer.strategy.last_bucket_time
-        self.compute_s.append((launched if launched > self._start else end) - self._start)
+        self.compute_ms.append(1000 * ((launched if launched > self._start else end) - self._start))
         self.sizes.append(int(batch[0].shape[0]))
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: Any) -> None:
-        if self._last_end is not None:  # validation and epoch-end logging are not part of the epoch's time
-            self.epoch_s.append(self._last_end - self._epoch_start)
 
 
 def main(spec_path: str) -> None:
@@ -118,8 +102,8 @@ def main(spec_path: str) -> None:
     record: dict[str, Any] = {
         "rank": rank,
         "epoch_s": clock.epoch_s,
-        "step_ms": [1000 * t for t in clock.step_s],
-        "compute_ms": [1000 * t for t in clock.compute_s],
+        "step_ms": clock.step_ms,
+        "compute_ms": clock.compute_ms,
         "local_sizes": clock.sizes,
     }
     if rank == 0:
@@ -132,7 +116,7 @@ def main(spec_path: str) -> None:
         model.eval()
         with torch.no_grad():
             record["final_acc"] = float((model(x).argmax(-1) == y).float().mean())
-    Path(spec["records"], f"rank{rank}.json").write_text(json.dumps(record))
+    Path(spec["out_dir"], f"result.{rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

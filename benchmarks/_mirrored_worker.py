@@ -1,11 +1,11 @@
-"""One benchmark run on 2 CPU processes: a Lightning strategy, or a plain torch DDP loop (the floor).
+"""One mirrored-benchmark run on 2 CPU processes: a Lightning strategy, or a plain torch DDP loop (the floor).
 
-Started by ``benchmarks/mirrored.py``; writes one JSON with per-step times measured on rank 0.
+Started by ``benchmarks/mirrored.py`` with a JSON spec; rank 0 writes ``result.json`` with its per-step times (the
+harness's ``StepTimer`` for Lightning; the same span, timed by hand, for the plain loop) and the bytes sent per step.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -13,10 +13,12 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -24,7 +26,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
-from ds_lightning.demos import TrainingReport, load_digits_tensors, make_mlp
+from benchmarks.harness.timing import StepTimer
+from ds_lightning.demos import load_digits_tensors, make_mlp
+from ds_lightning.testing import free_port
 
 
 def _dataset() -> TensorDataset:
@@ -47,92 +51,73 @@ class BenchModel(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-def run_lightning(args: argparse.Namespace) -> None:
-    pl.seed_everything(0)
-    strategy = args.strategy
-    if strategy == "ds_mirrored" and args.compression != "none":
-        strategy = ds_lightning.MirroredStrategy(gradient_compression=args.compression, powersgd_start_iter=2)
-    report = TrainingReport(warmup_steps=args.warmup, output_json=args.out)
+def run_lightning(spec: dict[str, Any]) -> None:
+    pl.seed_everything(0, verbose=False)
+    strategy: Any = spec["strategy"]
+    if strategy == "ds_mirrored" and spec["compression"] != "none":
+        strategy = ds_lightning.MirroredStrategy(gradient_compression=spec["compression"], powersgd_start_iter=2)
+    timer = StepTimer(warmup=spec["warmup"])
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
-        max_steps=args.warmup + args.steps,
+        max_steps=spec["warmup"] + spec["steps"],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
-        callbacks=[report],
+        callbacks=[timer],
     )
-    loader = DataLoader(_dataset(), batch_size=args.batch_size, shuffle=True, drop_last=True)
-    trainer.fit(BenchModel(args.hidden), train_dataloaders=loader)
+    loader = DataLoader(_dataset(), batch_size=spec["batch_size"], shuffle=True, drop_last=True)
+    trainer.fit(BenchModel(spec["hidden"]), train_dataloaders=loader)
     if trainer.is_global_zero:
-        data = json.loads(Path(args.out).read_text())
-        data["step_ms"] = [1000 * t for t in report.step_times]
-        Path(args.out).write_text(json.dumps(data))
+        out = timer.reading()
+        for attr in ("comm_bytes_per_step", "uncompressed_bytes_per_step"):
+            if hasattr(trainer.strategy, attr):
+                out[attr] = float(getattr(trainer.strategy, attr))
+        Path(spec["out_dir"], "result.json").write_text(json.dumps(out))
 
 
-def _plain_worker(rank: int, args: argparse.Namespace, port: int) -> None:
+def _plain_worker(rank: int, spec: dict[str, Any], port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(make_mlp(64, args.hidden, 10))
+    model = nn.parallel.DistributedDataParallel(make_mlp(64, spec["hidden"], 10))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     dataset = _dataset()
     sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True)
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    loader = DataLoader(dataset, batch_size=spec["batch_size"], sampler=sampler, drop_last=True)
+    total = spec["warmup"] + spec["steps"]
     times: list[float] = []
-    step, epoch = 0, 0
-    while step < args.warmup + args.steps:
+    epoch = 0
+    while len(times) < total:
         sampler.set_epoch(epoch)
         for x, y in loader:
-            start = time.perf_counter()
+            start = time.perf_counter()  # the span StepTimer takes in Lightning: forward, backward, step
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             optimizer.step()
-            elapsed = time.perf_counter() - start
-            step += 1
-            if step > args.warmup:
-                times.append(elapsed)
-            if step == args.warmup + args.steps:
+            times.append(1000 * (time.perf_counter() - start))
+            if len(times) == total:
                 break
         epoch += 1
     dist.barrier()
     if rank == 0:
-        out = {
-            "strategy": "plain_ddp",
-            "median_step_ms": 1000 * statistics.median(times),
-            "step_ms": [1000 * t for t in times],
-        }
-        Path(args.out).write_text(json.dumps(out))
+        timed = times[spec["warmup"] :]
+        out = {"step_ms": times, "warmup": spec["warmup"], "median_step_ms": statistics.median(timed)}
+        Path(spec["out_dir"], "result.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
-def run_plain(args: argparse.Namespace) -> None:
-    import torch.multiprocessing as mp
-    from lightning.fabric.plugins.environments.lightning import find_free_network_port
-
-    mp.spawn(_plain_worker, args=(args, find_free_network_port()), nprocs=2, join=True)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["lightning", "plain"], required=True)
-    parser.add_argument("--strategy", default="ds_mirrored")
-    parser.add_argument("--compression", default="none")
-    parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 1024])
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    if args.mode == "plain":
-        run_plain(args)
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["mode"] == "plain":
+        mp.spawn(_plain_worker, args=(spec, free_port()), nprocs=2, join=True)
     else:
-        run_lightning(args)
+        run_lightning(spec)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1])

@@ -2,7 +2,7 @@
 
 Started by ``benchmarks/parameter_server.py`` with a JSON spec; Lightning re-runs this script for every worker and,
 under ds_parameter_server, for every server process (whose ``fit`` returns once it has served). Every worker writes
-``rank{r}.json`` into the spec's ``records`` folder: its step times, how many samples it pushed and when its training
+``result.{r}.json`` into the spec's ``out_dir``: its step times, how many samples it pushed and when its training
 phase started and ended, and on rank 0 the validation curve and the final accuracy.
 """
 
@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
+from benchmarks.harness.timing import StepTimer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
 
@@ -52,8 +53,8 @@ class TimedClassifier(DigitsClassifier):
 PHASES = ("sleep", "before_step", "step_backward", "after_backward")
 
 
-class StepClock(Callback):
-    """Times each step (batch start to batch end, data loading excluded) and counts the samples this worker pushed.
+class StepClock(StepTimer):
+    """The harness's step clock, stopped once the update budget is spent, and each step split into phases.
 
     Registered first, so the clock starts before the straggler's sleep: a step's time includes its delay. Each step
     is split into the straggler's sleep, the time up to ``training_step`` (ds_parameter_server's pull),
@@ -62,30 +63,24 @@ class StepClock(Callback):
     """
 
     def __init__(self) -> None:
-        self.step_s: list[float] = []
-        self.phase_s: dict[str, list[float]] = {name: [] for name in PHASES}
+        super().__init__()
+        self.phase_ms: dict[str, list[float]] = {name: [] for name in PHASES}
         self.samples = 0
-        self.steps = 0
-        self.first_start: float | None = None
-        self.last_end: float | None = None
-        self._start = 0.0
         self._backward_done = 0.0
         self.pending_sleep = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._start = time.perf_counter()
+        super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
         self.pending_sleep = 0.0
-        if self.first_start is None:
-            self.first_start = time.time()
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._backward_done = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        end = time.perf_counter()
         if _budget_spent(trainer):
             return
-        self.step_s.append(end - self._start)
+        super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+        end = self._last_end or time.perf_counter()
         phases = (
             self.pending_sleep,
             pl_module.step_started - self._start - self.pending_sleep,
@@ -93,10 +88,8 @@ class StepClock(Callback):
             end - self._backward_done,
         )
         for name, value in zip(PHASES, phases, strict=True):
-            self.phase_s[name].append(value)
+            self.phase_ms[name].append(1000 * value)
         self.samples += _batch_size(batch)
-        self.steps += 1
-        self.last_end = time.time()
 
 
 class Straggler(Callback):
@@ -205,17 +198,17 @@ def main(spec_path: str) -> None:
         sys.stdout.flush()
         os._exit(0)
     rank = trainer.global_rank
-    steps_ms = [1000 * t for t in clock.step_s]
-    busy_ms = [1000 * (t - s) for t, s in zip(clock.step_s, clock.phase_s["sleep"], strict=True)]
+    steps_ms = clock.step_ms
+    busy_ms = [t - s for t, s in zip(steps_ms, clock.phase_ms["sleep"], strict=True)]
     record: dict[str, Any] = {
         "rank": rank,
-        "steps": clock.steps,
+        "steps": len(steps_ms),
         "samples": clock.samples,
-        "first_start": clock.first_start,
-        "last_end": clock.last_end,
+        "first_start": clock.spans[0][0] if clock.spans else None,
+        "last_end": clock.spans[-1][1] if clock.spans else None,
         "median_step_ms": statistics.median(steps_ms) if steps_ms else None,
         "median_busy_ms": statistics.median(busy_ms) if busy_ms else None,
-        "phase_ms": {name: 1000 * statistics.median(v) if v else None for name, v in clock.phase_s.items()},
+        "phase_ms": {name: statistics.median(v) if v else None for name, v in clock.phase_ms.items()},
         "step_ms": steps_ms,
     }
     if rank == 0:
@@ -223,7 +216,7 @@ def main(spec_path: str) -> None:
         record["curve"] = evaluator.curve
         record["final_acc"] = evaluator.accuracy(model)
         record["eval_s"] = evaluator.eval_s
-    Path(spec["records"], f"rank{rank}.json").write_text(json.dumps(record))
+    Path(spec["out_dir"], f"result.{rank}.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

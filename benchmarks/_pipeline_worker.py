@@ -4,7 +4,7 @@ Started by ``benchmarks/pipeline.py`` with a JSON spec. ``--impl single`` runs o
 optionally over m sequential chunks); ``hand`` spawns p ranks running a hand-written ``torch.distributed.pipelining``
 loop; ``ds`` runs one Lightning Trainer with ``ds_pipeline`` per configuration (Lightning's popen launcher re-runs this
 script per rank, and the process group stays up between fits). Each rank appends one JSON line per finished
-configuration to ``<records>/rank<r>.jsonl``, so a crash or a hang loses only the configuration it happened in.
+configuration to ``<out_dir>/rank<r>.jsonl``, so a crash or a hang loses only the configuration it happened in.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def record(spec: dict[str, Any], rank: int, cfg: dict[str, Any], times: list[flo
         "median_step_ms": 1000 * statistics.median(times) if times else None,
         **extra,
     }
-    path = Path(spec["records"]) / f"rank{rank}.jsonl"
+    path = Path(spec["out_dir"]) / f"rank{rank}.jsonl"
     with path.open("a") as f:
         f.write(json.dumps(line) + "\n")
         f.flush()
@@ -259,10 +259,10 @@ def _spans_from_chrome(path: Path) -> list[list[Any]]:
 
 def run_ds(spec: dict[str, Any]) -> None:
     import lightning.pytorch as pl
-    from lightning.pytorch.callbacks import Callback
     from torch.utils.data import DataLoader, TensorDataset
 
     import ds_lightning
+    from benchmarks.harness.timing import StepTimer
 
     class BenchModule(pl.LightningModule):
         def __init__(self, seed: int) -> None:
@@ -279,32 +279,22 @@ def run_ds(spec: dict[str, Any]) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
-    class StepTimer(Callback):
-        def __init__(self, warmup: int) -> None:
-            self.warmup = warmup
-            self.times: list[float] = []
-            self._seen = 0
-            self._start = 0.0
+    class Timer(StepTimer):
+        """The harness's clock; the activation peak restarts with the first timed step."""
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if self._seen == self.warmup:
+            if len(self.step_ms) == self.warmup:
                 METER.reset_peak()
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            elapsed = time.perf_counter() - self._start
-            if self._seen >= self.warmup:
-                self.times.append(elapsed)
-            self._seen += 1
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
 
     torch.set_num_threads(1)
     p = spec["procs"]
     x, y = make_data(spec["seed"])
-    traces = Path(spec["records"]) / "ds_traces"
+    traces = Path(spec["out_dir"]) / "ds_traces"
     for cfg in spec["configs"]:
         m = cfg["m"]
         trace_path = traces / f"{cfg['schedule']}_m{m}.json"
-        timer = StepTimer(spec["warmup"])
+        timer = Timer(spec["warmup"])
         strategy = ds_lightning.PipelineStrategy(
             schedule=cfg["schedule"],
             n_microbatches=m,
@@ -323,7 +313,7 @@ def run_ds(spec: dict[str, Any]) -> None:
             enable_model_summary=False,
             limit_val_batches=0,
             num_sanity_val_steps=0,
-            default_root_dir=spec["records"],
+            default_root_dir=spec["out_dir"],
             callbacks=[timer],
         )
         loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False, drop_last=True)
@@ -332,7 +322,8 @@ def run_ds(spec: dict[str, Any]) -> None:
         peak = METER.peak
         unit = unit_bytes(spec["seed"], rank, p, m)
         spans = _spans_from_chrome(trace_path) if rank == 0 and trace_path.exists() else []
-        record(spec, rank, cfg, timer.times, peak_bytes={str(rank): peak}, unit_bytes={str(rank): unit}, spans=spans)
+        times = [ms / 1000 for ms in timer.step_ms[spec["warmup"] :]]
+        record(spec, rank, cfg, times, peak_bytes={str(rank): peak}, unit_bytes={str(rank): unit}, spans=spans)
 
 
 def main() -> None:

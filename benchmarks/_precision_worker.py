@@ -1,11 +1,10 @@
 """One precision-benchmark run: the digits classifier in one process, in fp32 or under ``MixedPrecision``.
 
 Started by ``benchmarks/precision.py`` with a JSON spec, in a fresh process per run so that the peak resident set size
-belongs to this run alone. Writes one JSON: every step's time (batch start to batch end: forward, backward and
-optimizer step), the peak memory (on CPU the growth of the process's peak RSS over ``fit``; on CUDA the peak of
-``torch.cuda.max_memory_allocated`` during ``fit``), the bytes autograd saved for backward per step (counted with
-saved-tensor hooks: the activations, and apart from them autocast's low-precision weight copies; parameters excluded)
-and the training loss per step.
+belongs to this run alone. Writes ``result.json``: every step's time and loss (the harness's ``StepTimer``), the peak
+memory (on CPU the growth of the process's peak RSS over ``fit``; on CUDA the peak of
+``torch.cuda.max_memory_allocated`` during ``fit``), and the bytes autograd saved for backward per step (counted with
+saved-tensor hooks: the activations, and apart from them autocast's low-precision weight copies; parameters excluded).
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import json
 import resource
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,7 @@ from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.harness.timing import StepTimer
 from ds_lightning.callbacks import MixedPrecision
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
@@ -80,30 +79,6 @@ class CountingClassifier(DigitsClassifier):
         return loss
 
 
-class StepClock(Callback):
-    """Times every step and keeps its loss."""
-
-    def __init__(self, cuda: bool) -> None:
-        self.cuda = cuda
-        self.step_s: list[float] = []
-        self.loss: list[float] = []
-        self._start = 0.0
-
-    def _sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        self._sync()
-        self._start = time.perf_counter()
-
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self._sync()
-        self.step_s.append(time.perf_counter() - self._start)
-        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.loss.append(float(loss))
-
-
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
@@ -115,8 +90,8 @@ def main(spec_path: str) -> None:
     loader = DataLoader(data.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
     model = CountingClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"])
     model.activation_bytes, model.weight_copy_bytes = [], []
-    clock = StepClock(cuda)
-    callbacks: list[Callback] = [clock]
+    timer = StepTimer(warmup=spec["warmup"])
+    callbacks: list[Callback] = [timer]
     if spec["precision"] != "fp32":
         callbacks.append(MixedPrecision(spec["precision"]))
     trainer = pl.Trainer(
@@ -134,26 +109,19 @@ def main(spec_path: str) -> None:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rss_before = peak_rss_bytes()
-    cuda_before = torch.cuda.memory_allocated() if cuda else 0
     trainer.fit(model, train_dataloaders=loader)
     rss_after = peak_rss_bytes()
     out: dict[str, Any] = {
-        "precision": spec["precision"],
+        **timer.reading(),
         "chosen": next((c.chosen for c in callbacks if isinstance(c, MixedPrecision)), "fp32"),
-        "accelerator": spec["accelerator"],
-        "step_ms": [1000 * t for t in clock.step_s],
-        "loss": clock.loss,
         "activation_bytes": model.activation_bytes,
         "weight_copy_bytes": model.weight_copy_bytes,
-        "peak_rss_before_bytes": rss_before,
         "peak_rss_after_bytes": rss_after,
         "peak_rss_delta_bytes": rss_after - rss_before,
-        "parameters": sum(p.numel() for p in model.parameters()),
     }
     if cuda:
         out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-        out["cuda_allocated_before_bytes"] = cuda_before
-    Path(spec["out"]).write_text(json.dumps(out))
+    Path(spec["out_dir"], "result.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,18 @@
 """Benchmarks on shaped links of a real multi-host cluster made of network namespaces, every task driven by TF_CONFIG.
 
-Builds its own cluster of 3 hosts (``tests.cluster.netns.Cluster``: namespaces on one bridge, needs root and iproute2;
-it skips with the missing requirement otherwise) and runs every task as its own process on its own host, configured
-by ``TF_CONFIG`` alone: no ``MASTER_ADDR``/``MASTER_PORT``, and ``GLOO_SOCKET_IFNAME`` is never set here (the pack picks
-the interface holding each task's address). Hosts 0 and 1 are the two workers; host 2 holds the parameter server.
-Links are shaped with ``Cluster.shape`` (both directions of a host's link; ``tbf`` rate limiting on kernels without
-``netem``, where a delay cannot be emulated). Every process runs 1 thread.
+Builds its own cluster of 3 hosts (``ds_lightning.testing.netns.Cluster``: namespaces on one bridge, needs root and
+iproute2; it skips with the missing requirement otherwise) and runs every task as its own process on its own host,
+configured by ``TF_CONFIG`` alone: no ``MASTER_ADDR``/``MASTER_PORT``, and ``GLOO_SOCKET_IFNAME`` is never set here (the
+pack picks the interface holding each task's address). Hosts 0 and 1 are the two workers; host 2 holds the parameter
+server. Links are shaped with ``Cluster.shape`` (both directions of a host's link; ``tbf`` rate limiting on kernels
+without ``netem``, where a delay cannot be emulated). Every process runs 1 thread.
 
 1. **gradient_compression on slow links.** ds_mirrored on 2 worker hosts, the digits classifier widened to about 10M
    parameters (64-2240-2240-2240-10), batch 32 per worker, both workers' links shaped to 1 Gbit/s, then 100 Mbit/s
    (and the same with 1 ms delay, measured only where the kernel has netem). Settings none, fp16, bf16 and powersgd at
    ``--powersgd-ranks``; ``powersgd_start_iter`` is ``--powersgd-start-iter`` (1: only the first warm-up step is a
    plain all-reduce, every timed step is compressed). Step time = rank 0's median over the timed steps; speedup =
-   none / setting per round. Target: at 100 Mbit/s the best setting is >= 5x faster than none. Accuracy: rank 0's
+   none / setting per repeat. Target: at 100 Mbit/s the best setting is >= 5x faster than none. Accuracy: rank 0's
    validation accuracy after the timed runs' steps, and after ``--acc-steps`` steps in one extra run per setting on
    the unshaped cluster link (the link changes how long a step takes, not what it computes).
 2. **ds_parameter_server vs ds_mirrored on an uneven link.** Worker 0's link at 1 Gbit/s, worker 1's at 100 Mbit/s,
@@ -23,287 +23,54 @@ Links are shaped with ``Cluster.shape`` (both directions of a host's link; ``tbf
    ``--global-batch``, ``DynamicLoadBalancer(interval=0)`` (equal split) against ``interval=--interval``; rank 0's
    epoch time (median over the timed epochs). The balancer times compute, not the wire.
 
-Configurations are interleaved round by round (each round: part 1 on every link, then parts 2 and 3; within a launch
-the configurations run one after the other in one process per task, the order rotating by round), repeated
-``--rounds`` times; the tables give medians, per-round ratios and the min-max spread. Every launch has a time limit
+Configurations are interleaved repeat by repeat (each repeat: part 1 on every link, then parts 2 and 3; within a
+launch the configurations run one after the other in one process per task, the order rotating by repeat), repeated
+``--repeats`` times; the tables give medians, per-repeat ratios and the min-max spread. Every launch has a time limit
 per configuration: a configuration that fails or hangs is recorded as failed and the launch's remaining
 configurations are started again without it. The cluster is always torn down.
 
-Writes ``cluster.json``, ``cluster.md`` and ``cluster.png`` to ``results/`` (or ``--out``; ``--quick``, 1 round of very
-few steps, writes to a temporary folder unless ``--out`` is given).
+The launching and link plumbing is in ``_cluster_launch.py``, the report in ``_cluster_report.py``; the command line is
+the benchmark harness's.
 
-    python benchmarks/cluster.py [--quick] [--rounds 3] [--steps 5] [--warmup 2] [--acc-steps 60]
+    python benchmarks/cluster.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--steps 5] [--warmup 2]
+                                 [--acc-steps 60]
                                  [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--ps-steps 50]
                                  [--ps-staleness none] [--balance-epochs 5] [--balance-warmup-epochs 3]
                                  [--global-batch 512] [--interval 3] [--parts compression ps balance]
-                                 [--timeout 240] [--dist-timeout 120] [--out DIR]
+                                 [--timeout 240] [--dist-timeout 120]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
-import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import load_balance
-from _launch import free_port, package_state, spread, worker_env
 
+from benchmarks import harness
+from benchmarks._cluster_launch import LAUNCHES, WORKERS, probe_link, rotated, run_configs, shape_links
+from benchmarks._cluster_report import (
+    ACC_TOLERANCE_POINTS,
+    BALANCED,
+    BATCH,
+    EQUAL,
+    LINKS,
+    LR,
+    MIRRORED,
+    NO_NETEM,
+    TARGET_LINK,
+    TARGET_SPEEDUP,
+    UNEVEN_MBIT,
+    markdown,
+    notes,
+    plot,
+)
+from benchmarks.harness import spread
+from benchmarks.load_balance import reading as balance_reading
 from ds_lightning.testing import netns
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parent
-RESULTS = HERE / "results"
-WORKER = HERE / "_cluster_worker.py"
-
-WORKERS = 2
-BATCH = 32
-LR = 0.05
-TARGET_SPEEDUP = 5.0  # best compression vs none at 100 Mbit/s
-ACC_TOLERANCE_POINTS = 1.0  # "equal accuracy": validation accuracy after the long run, in points
-NO_NETEM = "not measured: this kernel has no netem"
-# Part 1's links: both workers' links shaped alike.
-LINKS: list[dict[str, Any]] = [
-    {"key": "1gbit", "label": "1 Gbit/s", "rate_mbit": 1000.0, "delay_ms": None},
-    {"key": "100mbit", "label": "100 Mbit/s", "rate_mbit": 100.0, "delay_ms": None},
-    {"key": "1gbit_1ms", "label": "1 Gbit/s + 1 ms delay", "rate_mbit": 1000.0, "delay_ms": 1.0},
-    {"key": "100mbit_1ms", "label": "100 Mbit/s + 1 ms delay", "rate_mbit": 100.0, "delay_ms": 1.0},
-]
-TARGET_LINK = "100mbit"
-# Parts 2 and 3: worker 0's link 10x faster than worker 1's; the server's link unshaped.
-UNEVEN_MBIT = (1000.0, 100.0)
-MIRRORED = "ds_mirrored"
-EQUAL = "equal"
-BALANCED = "balanced"
-_ENV_DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
-_GRACE_S = 15.0  # how long the other tasks of a launch may run on after one of them failed
-LAUNCHES: list[dict[str, Any]] = []  # every launch: its configurations, duration, time to import, exit codes
-
-# Sends argv[2] bytes to argv[1]:argv[3] (the receiver times them); a link probe without torch.
-_SEND_CODE = (
-    "import socket, sys\n"
-    "s = socket.create_connection((sys.argv[1], int(sys.argv[3])), timeout=60)\n"
-    "left = int(sys.argv[2]); chunk = b'x' * (1 << 20)\n"
-    "while left > 0:\n"
-    "    s.sendall(chunk[: min(left, len(chunk))]); left -= len(chunk)\n"
-    "s.close()\n"
-)
-_RECEIVE_CODE = (
-    "import socket, sys, time\n"
-    "srv = socket.create_server((sys.argv[1], int(sys.argv[2]))); srv.settimeout(60)\n"
-    "print('ready', flush=True)\n"
-    "conn, _ = srv.accept(); conn.settimeout(60); got = 0; start = None\n"
-    "while True:\n"
-    "    data = conn.recv(1 << 20)\n"
-    "    if not data: break\n"
-    "    if start is None: start = time.perf_counter()\n"
-    "    got += len(data)\n"
-    "print(got, time.perf_counter() - start, flush=True)\n"
-)
-
-
-# --- the cluster ------------------------------------------------------------------------------------------------------
-
-
-def shape_links(cluster: netns.Cluster, rates: dict[int, tuple[float, float | None]]) -> dict[str, Any]:
-    """Host i's link shaped to ``rates[i]`` = (Mbit/s, delay ms or None); every other host's link unshaped.
-
-    Raises:
-        netns.ShapingUnsupportedError: a delay was asked for and the kernel has no netem (links left unshaped).
-    """
-    for host in cluster.hosts:
-        cluster.unshape(host)
-    kinds = {}
-    try:
-        for index, (rate, delay) in rates.items():
-            kinds[index] = cluster.shape(cluster.hosts[index], rate_mbit=rate, delay_ms=delay)
-    except netns.ShapingUnsupportedError:
-        for host in cluster.hosts:
-            cluster.unshape(host)
-        raise
-    return {"qdisc": kinds, "tc": {i: cluster.qdiscs(cluster.hosts[i])[0].strip() for i in rates}}
-
-
-def probe_link(cluster: netns.Cluster, src: int, dst: int, mbytes: float) -> float | None:
-    """TCP throughput from host ``src`` to host ``dst`` in Mbit/s (``mbytes`` MB sent), or None if the probe failed."""
-    receiver, sender = cluster.hosts[dst], cluster.hosts[src]
-    port = free_port()
-    recv = receiver.run(
-        [sys.executable, "-I", "-S", "-c", _RECEIVE_CODE, receiver.address, str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert recv.stdout is not None
-        if recv.stdout.readline().strip() != "ready":
-            return None
-        size = int(mbytes * 1e6)
-        sender.check_output([sys.executable, "-I", "-S", "-c", _SEND_CODE, receiver.address, str(size), str(port)], 120)
-        out, _ = recv.communicate(timeout=60)
-        got, seconds = out.split()
-        return int(got) * 8 / float(seconds) / 1e6
-    except (subprocess.SubprocessError, ValueError, OSError, AssertionError):
-        return None
-    finally:
-        if recv.poll() is None:
-            recv.kill()
-            recv.wait()
-
-
-# --- launching --------------------------------------------------------------------------------------------------------
-
-
-def _tf_config(cluster: netns.Cluster, with_ps: bool, port: int) -> tuple[dict[str, Any], list[tuple[int, str, int]]]:
-    """The cluster spec and the (host, task type, task index) of every task: workers on hosts 0 and 1, ps on 2."""
-    address = [f"{host.address}:{port}" for host in cluster.hosts]
-    if with_ps:
-        return (
-            {"chief": [address[0]], "worker": [address[1]], "ps": [address[2]]},
-            [(0, "chief", 0), (1, "worker", 0), (2, "ps", 0)],
-        )
-    return {"worker": address[:WORKERS]}, [(i, "worker", i) for i in range(WORKERS)]
-
-
-def _error_lines(text: str) -> str:
-    lines = [line.strip() for line in text.splitlines() if "Error" in line or "error" in line or "Killed" in line]
-    return lines[-1][:300] if lines else ""
-
-
-def launch(
-    cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace
-) -> dict[str, Any]:
-    """One process per task on its own host, running ``configs`` in order; their records, or why they stopped.
-
-    Killed when a configuration takes longer than ``opts.timeout`` (counted from the launch or the previous
-    configuration's end), or ``_GRACE_S`` after any task failed.
-    """
-    tmp = Path(tempfile.mkdtemp(prefix="ds-cluster-bench-"))
-    try:
-        records = tmp / "records"
-        records.mkdir()
-        tf_cluster, tasks = _tf_config(cluster, spec.get("with_ps", False), free_port())
-        spec_path = tmp / "spec.json"
-        spec_path.write_text(json.dumps({**spec, "configs": configs, "records": str(records)}))
-        procs, logs = [], []
-        start, wall_start = time.monotonic(), time.time()
-        for host_index, task_type, task_index in tasks:
-            env = worker_env(threads=1, rendezvous=False)
-            for variable in _ENV_DROP:
-                env.pop(variable, None)
-            env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "task": {"type": task_type, "index": task_index}})
-            log = tmp / f"{task_type}{task_index}.log"
-            logs.append(log)
-            with log.open("w") as out:
-                procs.append(
-                    cluster.hosts[host_index].run(
-                        [sys.executable, str(WORKER), str(spec_path)],
-                        cwd=tmp,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        done = 0
-        progress = start
-        failed_at: float | None = None
-        reason = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            finished = sum(
-                all((records / f"{c['name']}.rank{r}.json").exists() for r in range(WORKERS)) for c in configs
-            )
-            if finished > done:
-                done, progress = finished, now
-            if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
-                failed_at = now
-            if now - progress > opts.timeout:
-                reason = f"timed out after {opts.timeout:.0f} s"
-                break
-            if failed_at is not None and now - failed_at > _GRACE_S:
-                break
-            time.sleep(0.2)
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        rcs = [p.returncode for p in procs]
-        texts = [log.read_text(errors="replace") for log in logs]
-        result: dict[str, Any] = {"launch_s": time.monotonic() - start, "exit_codes": rcs, "records": {}}
-        for config in configs:
-            ranks = {}
-            for rank in range(WORKERS):
-                path = records / f"{config['name']}.rank{rank}.json"
-                if path.exists():
-                    ranks[rank] = json.loads(path.read_text())
-            if len(ranks) == WORKERS:
-                result["records"][config["name"]] = ranks
-        imported = [json.loads(p.read_text())["imported_at"] for p in records.glob("started.*")]
-        result["import_s"] = max(imported) - wall_start if imported else None
-        if len(result["records"]) < len(configs):
-            why = reason or "exit codes " + ", ".join(f"{t[1]}{t[2]}={rc}" for t, rc in zip(tasks, rcs, strict=True))
-            errors = [e for e in (_error_lines(t) for t in texts) if e]
-            result["error"] = why + (f", {errors[0]}" if errors else "")
-            result["log_tail"] = "\n".join(f"--- {log.name}\n{t[-1500:]}" for log, t in zip(logs, texts, strict=True))
-        return result
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def run_configs(
-    cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace
-) -> tuple[dict[str, dict[int, dict[str, Any]] | dict[str, Any]], list[float]]:
-    """Every configuration's records (or ``{"error": ...}``): a failed one is recorded, the rest launched again.
-
-    Returns:
-        The records by configuration name, and the duration of every launch (also noted in ``LAUNCHES``).
-    """
-    out: dict[str, Any] = {}
-    launches: list[float] = []
-    remaining = list(configs)
-    while remaining:
-        result = launch(cluster, spec, remaining, opts)
-        launches.append(result["launch_s"])
-        LAUNCHES.append(
-            {
-                "kind": spec["kind"],
-                "configs": [c["name"] for c in remaining],
-                "launch_s": result["launch_s"],
-                "import_s": result["import_s"],
-                "exit_codes": result["exit_codes"],
-                "error": result.get("error"),
-            }
-        )
-        for i, config in enumerate(remaining):
-            name = config["name"]
-            if name in result["records"]:
-                out[name] = result["records"][name]
-                continue
-            out[name] = {"error": result.get("error", "no records"), "log_tail": result.get("log_tail", "")}
-            print(f"    {name}: FAILED {out[name]['error']}", flush=True)
-            remaining = remaining[i + 1 :]
-            break
-        else:
-            remaining = []
-    return out, launches
-
-
-def rotated(items: list[Any], r: int) -> list[Any]:
-    k = r % len(items) if items else 0
-    return items[k:] + items[:k]  # no configuration always runs first
-
 
 # --- part 1: gradient_compression ------------------------------------------------------------------------------------
 
@@ -364,7 +131,7 @@ def run_compression_round(
             shaped = shape_links(cluster, rates)
         except netns.ShapingUnsupportedError as error:
             setup["unsupported"][key] = f"{NO_NETEM} ({error})"
-            print(f"  round {r + 1} part 1 {link['label']}: {NO_NETEM}", flush=True)
+            print(f"  repeat {r + 1} part 1 {link['label']}: {NO_NETEM}", flush=True)
             continue
         setup["links"].setdefault(key, shaped)
         order = rotated(configs, r)
@@ -376,7 +143,7 @@ def run_compression_round(
             raw[key][name].append(result)
             if "error" not in result:
                 print(
-                    f"  round {r + 1} part 1 {link['label']:>11} {name:>12}: {result['median_step_ms']:8.1f} ms/step,"
+                    f"  repeat {r + 1} part 1 {link['label']:>11} {name:>12}: {result['median_step_ms']:8.1f} ms/step,"
                     f" {result['bytes_per_step'] / 1e6:7.3f} MB/step, acc {result['final_acc']:.3f}",
                     flush=True,
                 )
@@ -450,8 +217,11 @@ def merge_ps(ranks: dict[int, dict[str, Any]]) -> dict[str, Any]:
 
 def merge_balance(ranks: dict[int, dict[str, Any]], warmup_epochs: int) -> dict[str, Any]:
     """The same figures as ``make bench-balance`` takes from its ranks' records (the records have the same form)."""
-    merged = load_balance.merge(ranks, None, 0.0, warmup_epochs)
-    return {k: v for k, v in merged.items() if k not in ("exit_code", "launch_s")}
+    r = balance_reading({"rc": None, "result.0": ranks[0], "result.1": ranks[1]}, warmup_epochs)
+    r["compute_ms_per_sample"] = [r.pop("compute_ms_per_sample_r0"), r.pop("compute_ms_per_sample_r1")]
+    r["median_epoch_s"], r["median_step_ms"], r["epoch_s"] = r.pop("epoch_s"), r.pop("step_ms"), r.pop("epochs")
+    r["step_ms"], r["sizes"] = r.pop("step_ms_trace"), r.pop("sizes_trace")  # rank 0's, per step, for the chart
+    return {k: v for k, v in r.items() if k != "rc"}
 
 
 def run_uneven_round(
@@ -470,7 +240,7 @@ def run_uneven_round(
             raw["ps"][config["name"]].append(result)
             if "error" not in result:
                 print(
-                    f"  round {r + 1} part 2 {config['name']:>18}: {result['samples_per_s']:7.1f} samples/s,"
+                    f"  repeat {r + 1} part 2 {config['name']:>18}: {result['samples_per_s']:7.1f} samples/s,"
                     f" steps {result['steps']}, median step {result['step_ms'][0]:.0f}/{result['step_ms'][1]:.0f} ms,"
                     f" acc {result['final_acc']:.3f} ({launches[0]:.0f} s launch)",
                     flush=True,
@@ -491,7 +261,7 @@ def run_uneven_round(
             raw["balance"][config["name"]].append(result)
             if "error" not in result:
                 print(
-                    f"  round {r + 1} part 3 {config['name']:>18}: epoch {result['median_epoch_s']:.2f} s, step"
+                    f"  repeat {r + 1} part 3 {config['name']:>18}: epoch {result['median_epoch_s']:.2f} s, step"
                     f" {result['median_step_ms']:.0f} ms, final sizes {result['final_sizes']}, compute/sample"
                     f" {result['compute_ms_per_sample'][0]:.3f}/{result['compute_ms_per_sample'][1]:.3f} ms,"
                     f" acc {result['final_acc']:.3f}",
@@ -549,7 +319,7 @@ def summarise_balance(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-# --- verdict and output -----------------------------------------------------------------------------------------------
+# --- verdict ----------------------------------------------------------------------------------------------------------
 
 
 def verdict(comp: dict[str, Any], accuracy: dict[str, Any]) -> dict[str, Any]:
@@ -581,273 +351,6 @@ def verdict(comp: dict[str, Any], accuracy: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _fmt(v: dict[str, Any] | None, f: str = ".0f", scale: float = 1.0) -> str:
-    if v is None:
-        return "-"
-    return f"{scale * v['median']:{f}} [{scale * v['min']:{f}} - {scale * v['max']:{f}}]"
-
-
-def _params(n: int | None) -> str:
-    return "?" if n is None else f"{n / 1e6:.2f}M"
-
-
-def write_outputs(data: dict[str, Any], out: Path) -> list[str]:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "cluster.json").write_text(json.dumps(data, indent=2))
-    setup = data["setup"]
-    hidden = "-".join(str(h) for h in data["hidden"])
-    ps_hidden = "-".join(str(h) for h in data["ps_hidden"])
-    probes = setup.get("probes", {})
-    probe_text = ", ".join(f"{k}: {v:.0f} Mbit/s" if v else f"{k}: failed" for k, v in probes.items())
-    lines = [
-        f"**Setup.** A network-namespace cluster of 3 hosts on one bridge (host 0 and host 1: the workers; host 2: the"
-        f" parameter server), built by `tests.cluster.netns.Cluster`; one process per TF_CONFIG task, 1 thread each,"
-        f" gloo, `Trainer(devices=1)`, no MASTER_ADDR/MASTER_PORT/GLOO_SOCKET_IFNAME in the environment (the pack"
-        f" picks each task's interface). Links shaped on both directions of a host's veth by `Cluster.shape`"
-        f" (qdisc: {setup.get('qdisc_kind', '?')}). Measured TCP throughput host 1 -> host 0 (one stream, Python"
-        f" sockets): {probe_text or 'not probed'}. {data['rounds']} interleaved round(s); median [min - max] over"
-        f" rounds, ratios taken per round. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine.",
-        "",
-    ]
-    comp = data.get("compression")
-    if comp is not None:
-        acc = data.get("accuracy", {})
-        names = [c["name"] for c in data["compression_configs"]]
-        params = data.get("params")
-        lines += [
-            f"**1. ds_mirrored gradient_compression on shaped links** (2 worker hosts, both links shaped alike;"
-            f" MLP 64-{hidden}-10 = {_params(params)} parameters, DigitsClassifier, SGD lr {LR} momentum 0.9, batch"
-            f" {BATCH} per worker; {data['warmup']} warm-up + {data['steps']} timed steps per run; step time = rank 0's"
-            " median over the timed steps, batch start to batch end;"
-            f" powersgd_start_iter={data['powersgd_start_iter']}: only the first warm-up step is a plain all-reduce,"
-            " every timed step is compressed). Speedup ="
-            f" none's step time / the setting's, per round. Accuracy: validation accuracy of rank 0's final"
-            f" parameters (360 held-out digits), after the {data['warmup'] + data['steps']} steps of the shaped runs"
-            f" (median over all their runs), and after {data['acc_steps']} steps in one extra run per setting on the"
-            " unshaped cluster link (same seed and data order; the link changes a step's duration, not its result).",
-            "",
-        ]
-        steps_short = data["warmup"] + data["steps"]
-        head = "| gradient_compression | MB/step (timed) |"
-        sep = "|---|---|"
-        for link in LINKS:
-            head += f" {link['label']}: step (ms); speedup |"
-            sep += "---|"
-        head += f" unshaped step (ms), 1 run | val acc after {steps_short} steps (%)"
-        head += f" | val acc after {data['acc_steps']} steps (%) |"
-        sep += "---|---|---|"
-        lines += [head, sep]
-        for name in names:
-            mb = next(
-                (comp[k][name]["bytes_per_step"] for k in comp if comp[k].get(name, {}).get("bytes_per_step")), None
-            )
-            row = f"| {name} | {'-' if mb is None else format(mb['median'] / 1e6, '.3f')} |"
-            accs: list[float] = []
-            for link in LINKS:
-                if link["key"] in setup["unsupported"]:
-                    row += f" {NO_NETEM} |"
-                    continue
-                v = comp.get(link["key"], {}).get(name)
-                if v is None or v["step_ms"] is None:
-                    row += f" failed ({v['failed_runs']} of {v['runs']}) |" if v else " - |"
-                    continue
-                failed = f" ({v['failed_runs']} of {v['runs']} failed)" if v["failed_runs"] else ""
-                speed = "" if name == "none" else f"; **{_fmt(v['speedup_over_none'], '.2f')}x**"
-                row += f" {_fmt(v['step_ms'], '.0f')}{failed}{speed} |"
-                accs += [r["final_acc"] for r in data["raw"]["compression"][link["key"]][name] if "error" not in r]
-            a = acc.get(name, {})
-            unshaped = f"{a['median_step_ms']:.0f}" if "median_step_ms" in a else "failed"
-            long = f"{100 * a['final_acc']:.1f}" if "final_acc" in a else "failed"
-            lines.append(row + f" {unshaped} | {_fmt(spread(accs), '.1f', 100)} | {long} |")
-        t = data["targets"][0]
-        result = {True: "PASS", False: "**MISS**", None: "no data"}[t["met"]]
-        lines += [
-            "",
-            "| target | goal | measured | result |",
-            "|---|---|---|---|",
-            f"| {t['target']} | {t['goal']} | {t['best'] or '-'}: {_fmt(t['value'], '.2f')}x | {result} |",
-            "",
-        ]
-        for name, points in t.get("excluded_for_accuracy_points", {}).items():
-            why = "its accuracy run failed" if points is None else f"{points:+.1f} points vs none after the same steps"
-            lines += [f"{name} is left out of the verdict: {why}.", ""]
-        if setup["unsupported"]:
-            lines += [
-                f"The 1 ms delay cells: `Cluster.shape(host, rate_mbit=..., delay_ms=1)` raised"
-                f" `ShapingUnsupportedError` ({NO_NETEM}; tbf can limit the rate but not add delay), so they hold no"
-                " numbers.",
-                "",
-            ]
-    ps = data.get("ps")
-    if ps is not None:
-        lines += [
-            f"**2. ds_parameter_server vs ds_mirrored, worker links 10x apart** (worker 0 at"
-            f" {UNEVEN_MBIT[0]:.0f} Mbit/s, worker 1 at {UNEVEN_MBIT[1]:.0f} Mbit/s, the server's link unshaped; MLP"
-            f" 64-{ps_hidden}-10, batch {BATCH} per worker, equal samples: ds_mirrored {data['ps_steps']} steps per"
-            f" worker = {WORKERS * data['ps_steps'] * BATCH} samples, ds_parameter_server an update budget of the same"
-            " samples, fast workers doing more of them). Samples/s: samples of both workers / (last step end - first"
-            " step start). Accuracy: rank 0's final parameters (under ds_parameter_server the last pulled ones).",
-            "",
-            "| configuration | samples/s | vs ds_mirrored | final val acc (%) | acc vs ds_mirrored (points) | samples"
-            " | steps w0 / w1 | median step w0 / w1 (ms) |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for name, v in ps.items():
-            failed = f" ({v['failed_runs']} failed)" if v["failed_runs"] else ""
-            lines.append(
-                f"| {name}{failed} | {_fmt(v['samples_per_s'])} | {_fmt(v.get('throughput_over_mirrored'), '.2f')}"
-                f" | {_fmt(v['final_acc'], '.1f', 100)} | {_fmt(v.get('acc_points_vs_mirrored'), '+.1f')}"
-                f" | {_fmt(v['samples'])} | {_fmt(v['steps_w0'])} / {_fmt(v['steps_w1'])}"
-                f" | {_fmt(v['step_ms_w0'])} / {_fmt(v['step_ms_w1'])} |"
-            )
-        lines.append("")
-    bal = data.get("balance")
-    if bal is not None:
-        lines += [
-            "**3. DynamicLoadBalancer vs the equal split on the same uneven link**"
-            f" (ds_mirrored, MLP 64-{ps_hidden}-10, global batch {data['global_batch']}; equal split ="
-            " `DynamicLoadBalancer(interval=0,"
-            f" initial_shares=[1, 1])`, balanced = `interval={data['interval']}`; {data['balance_warmup_epochs']}"
-            f" warm-up + {data['balance_epochs']} timed epochs; epoch time = rank 0's, median over the timed epochs."
-            " Compute per sample = batch start to the launch of the last gradient bucket (what the balancer"
-            " measures) / local batch).",
-            "",
-            "| configuration | epoch (s) | median step, rank 0 (ms) | compute/sample rank 0 / rank 1 (ms)"
-            " | final rank-0 share | final sizes | final val acc (%) |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for name in (EQUAL, BALANCED):
-            v = bal.get(name)
-            if v is None:
-                continue
-            failed = f" ({v['failed_runs']} failed)" if v["failed_runs"] else ""
-            sizes = ", ".join(str(x) for x in v["final_sizes"]) or "-"
-            lines.append(
-                f"| {name}{failed} | {_fmt(v['epoch_s'], '.2f')} | {_fmt(v['step_ms'])}"
-                f" | {_fmt(v['compute_ms_per_sample_r0'], '.3f')} / {_fmt(v['compute_ms_per_sample_r1'], '.3f')}"
-                f" | {_fmt(v['final_share_rank0'], '.3f')} | {sizes} | {_fmt(v['final_acc'], '.1f', 100)} |"
-            )
-        lines += [
-            "",
-            "| balanced / equal, per round | median [min - max] |",
-            "|---|---|",
-            f"| epoch time | {_fmt(bal['ratio_epoch'], '.3f')} |",
-            f"| median step time, rank 0 | {_fmt(bal['ratio_step'], '.3f')} |",
-            "",
-        ]
-    lines += data.get("notes", [])
-    (out / "cluster.md").write_text("\n".join(lines).rstrip() + "\n")
-    plot(data, out / "cluster.png")
-    return lines
-
-
-def plot(data: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
-    comp = data.get("compression") or {}
-    names = [c["name"] for c in data.get("compression_configs", [])]
-    measured = [link for link in LINKS if link["key"] in comp and link["key"] not in data["setup"]["unsupported"]]
-    ax = axes[0][0]
-    width = 0.8 / max(1, len(names))
-    for j, name in enumerate(names):
-        xs, med, lo, hi = [], [], [], []
-        for i, link in enumerate(measured):
-            v = comp[link["key"]].get(name, {}).get("step_ms")
-            if v:
-                xs.append(i + (j - (len(names) - 1) / 2) * width)
-                med.append(v["median"])
-                lo.append(v["median"] - v["min"])
-                hi.append(v["max"] - v["median"])
-        ax.bar(xs, med, width=width, yerr=[lo, hi], capsize=3, label=name)
-        for x, link in zip(xs, measured, strict=False):
-            s = comp[link["key"]][name]["speedup_over_none"]
-            if s and name != "none":
-                top = comp[link["key"]][name]["step_ms"]["max"]
-                ax.annotate(f"{s['median']:.1f}x", (x, top), ha="center", va="bottom", fontsize=7)
-    ax.set_xticks(range(len(measured)), [link["label"] for link in measured])
-    ax.set_yscale("log")
-    ax.set_ylabel("median step time, rank 0 (ms, log)")
-    missing = [link["label"] for link in LINKS if link["key"] in data["setup"]["unsupported"]]
-    title = f"1. ds_mirrored, {_params(data.get('params'))} params, 2 hosts (label: speedup over none)"
-    if missing:
-        title += f"\nnot measured (no netem): {', '.join(missing)}"
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3, axis="y")
-
-    ax = axes[0][1]
-    acc = data.get("accuracy") or {}
-    shown = [n for n in names if "final_acc" in acc.get(n, {})]
-    ax.bar(range(len(shown)), [100 * acc[n]["final_acc"] for n in shown], color="tab:green")
-    for i, n in enumerate(shown):
-        ax.annotate(f"{100 * acc[n]['final_acc']:.1f}", (i, 100 * acc[n]["final_acc"]), ha="center", va="bottom")
-    ax.set_xticks(range(len(shown)), shown)
-    ax.set_ylim(0, 105)
-    ax.set_ylabel("validation accuracy (%)")
-    ax.set_title(f"1. accuracy after {data.get('acc_steps')} steps (one run per setting, unshaped link)", fontsize=9)
-    ax.grid(alpha=0.3, axis="y")
-
-    ax = axes[1][0]
-    ps = data.get("ps") or {}
-    shown = [n for n in ps if ps[n]["samples_per_s"]]
-    med = [ps[n]["samples_per_s"]["median"] for n in shown]
-    err = [
-        [m - ps[n]["samples_per_s"]["min"] for n, m in zip(shown, med, strict=True)],
-        [ps[n]["samples_per_s"]["max"] - m for n, m in zip(shown, med, strict=True)],
-    ]
-    ax.bar(range(len(shown)), med, yerr=err, capsize=4, color=["tab:gray", "tab:blue", "tab:orange"][: len(shown)])
-    for i, n in enumerate(shown):
-        a = ps[n]["final_acc"]
-        label = f"acc {100 * a['median']:.1f}%" if a else ""
-        ratio = ps[n].get("throughput_over_mirrored")
-        if ratio:
-            label = f"{ratio['median']:.2f}x, {label}"
-        ax.annotate(label, (i, ps[n]["samples_per_s"]["max"]), ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(shown)), shown)
-    ax.set_ylabel("samples/s, both workers (median, min-max)")
-    ax.set_title(
-        f"2. worker links {UNEVEN_MBIT[0]:.0f} / {UNEVEN_MBIT[1]:.0f} Mbit/s, equal samples (label: vs ds_mirrored)",
-        fontsize=9,
-    )
-    ax.grid(alpha=0.3, axis="y")
-
-    ax = axes[1][1]
-    raw = (data.get("raw") or {}).get("balance") or {}
-    colors = {EQUAL: "tab:gray", BALANCED: "tab:blue"}
-    for name in (EQUAL, BALANCED):
-        for i, run in enumerate(r for r in raw.get(name, []) if "error" not in r):
-            label = f"{name}: step time" if i == 0 else None
-            ax.plot(range(len(run["step_ms"])), run["step_ms"], color=colors[name], alpha=0.6, lw=1, label=label)
-    twin = ax.twinx()
-    for name in (EQUAL, BALANCED):
-        for i, run in enumerate(r for r in raw.get(name, []) if "error" not in r):
-            shares = [s[0] / sum(s) for s in run["sizes"]]
-            label = f"{name}: rank-0 share" if i == 0 else None
-            twin.plot(range(len(shares)), shares, "--", color=colors[name], alpha=0.8, lw=1, label=label)
-    twin.set_ylim(0, 1)
-    twin.set_ylabel("rank 0's share of the global batch (dashed)")
-    ax.set_xlabel("step")
-    ax.set_ylabel("step time, rank 0 (ms)")
-    ratio = (data.get("balance") or {}).get("ratio_epoch")
-    title = "3. DynamicLoadBalancer vs equal split, same uneven link"
-    if ratio:
-        title += f"; epoch time balanced / equal {ratio['median']:.3f}"
-    ax.set_title(title, fontsize=9)
-    handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# --- main -------------------------------------------------------------------------------------------------------------
-
-
 def _flat(runs: dict[str, Any]) -> list[dict[str, Any]]:
     """The run records of ``{name: record}`` or ``{name: [record, ...]}``."""
     return [r for v in runs.values() for r in (v if isinstance(v, list) else [v])]
@@ -857,205 +360,102 @@ def _staleness(text: str) -> int | None:
     return None if text.lower() == "none" else int(text)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="1 round of very few steps: a smoke test")
-    parser.add_argument("--rounds", type=int, default=None, help="interleaved rounds (3; 1 with --quick)")
-    parser.add_argument("--steps", type=int, default=None, help="part 1: timed steps per run (5; 2 with --quick)")
-    parser.add_argument("--warmup", type=int, default=None, help="part 1: warm-up steps per run (2; 1 with --quick)")
-    parser.add_argument("--acc-steps", type=int, default=None, help="part 1: steps of the accuracy runs (60; 6)")
-    parser.add_argument("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths")
-    parser.add_argument("--powersgd-ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD ranks to try (1 4)")
-    parser.add_argument("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1)")
-    parser.add_argument("--ps-hidden", type=int, nargs="+", default=[1024, 1024], help="parts 2 and 3's widths")
-    parser.add_argument("--ps-steps", type=int, default=None, help="part 2: ds_mirrored steps per worker (50; 8)")
-    parser.add_argument(
-        "--ps-staleness", type=_staleness, nargs="+", default=[None], help="part 2: max_staleness values (none)"
-    )
-    parser.add_argument("--balance-epochs", type=int, default=None, help="part 3: timed epochs (5; 1 with --quick)")
-    parser.add_argument("--balance-warmup-epochs", type=int, default=None, help="part 3: untimed epochs (3; 1)")
-    parser.add_argument("--global-batch", type=int, default=512, help="part 3: samples per step (512)")
-    parser.add_argument("--interval", type=int, default=3, help="part 3: the balancer's re-division interval (3)")
-    parser.add_argument(
-        "--parts", nargs="+", choices=["compression", "ps", "balance"], default=["compression", "ps", "balance"]
-    )
-    parser.add_argument("--timeout", type=float, default=240.0, help="seconds one configuration may take (240)")
-    parser.add_argument("--dist-timeout", type=int, default=120, help="seconds any collective or server reply waits")
-    parser.add_argument(
-        "--out", type=Path, default=None, help="output folder (default benchmarks/results; a temp folder with --quick)"
-    )
-    parser.add_argument(
-        "--render", action="store_true", help="only rewrite the table and chart from the output folder's cluster.json"
-    )
-    opts = parser.parse_args()
-    defaults = (
-        {"rounds": 1, "steps": 2, "warmup": 1, "acc_steps": 6, "ps_steps": 8, "balance_epochs": 1}
-        if opts.quick
-        else {"rounds": 3, "steps": 5, "warmup": 2, "acc_steps": 60, "ps_steps": 50, "balance_epochs": 5}
-    )
-    defaults["balance_warmup_epochs"] = 1 if opts.quick else 3
-    for name, value in defaults.items():
-        if getattr(opts, name) is None:
-            setattr(opts, name, value)
-    return opts
+class Cluster(harness.Benchmark):
+    name = "cluster"
+    description = __doc__
+    defaults = {"repeats": 3, "steps": 5, "warmup": 2, "acc_steps": 60, "ps_steps": 50, "balance_epochs": 5}
+    defaults |= {"balance_warmup_epochs": 3}
+    quick = {"repeats": 1, "steps": 2, "warmup": 1, "acc_steps": 6, "ps_steps": 8, "balance_epochs": 1}
+    quick |= {"balance_warmup_epochs": 1}
 
+    def options(self, parser: argparse.ArgumentParser) -> None:
+        add = parser.add_argument
+        add("--steps", type=int, default=None, help="part 1: timed steps per run (5; 2 with --quick)")
+        add("--warmup", type=int, default=None, help="part 1: warm-up steps per run (2; 1 with --quick)")
+        add("--acc-steps", type=int, default=None, help="part 1: steps of the accuracy runs (60; 6)")
+        add("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths")
+        add("--powersgd-ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD ranks to try (1 4)")
+        add("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1)")
+        add("--ps-hidden", type=int, nargs="+", default=[1024, 1024], help="parts 2 and 3's widths")
+        add("--ps-steps", type=int, default=None, help="part 2: ds_mirrored steps per worker (50; 8)")
+        add("--ps-staleness", type=_staleness, nargs="+", default=[None], help="part 2: max_staleness values (none)")
+        add("--balance-epochs", type=int, default=None, help="part 3: timed epochs (5; 1 with --quick)")
+        add("--balance-warmup-epochs", type=int, default=None, help="part 3: untimed epochs (3; 1)")
+        add("--global-batch", type=int, default=512, help="part 3: samples per step (512)")
+        add("--interval", type=int, default=3, help="part 3: the balancer's re-division interval (3)")
+        add("--parts", nargs="+", choices=["compression", "ps", "balance"], default=["compression", "ps", "balance"])
+        add("--timeout", type=float, default=240.0, help="seconds one configuration may take (240)")
+        add("--dist-timeout", type=int, default=120, help="seconds any collective or server reply waits")
 
-def notes(data: dict[str, Any]) -> list[str]:
-    """Observations computed from the figures, so they always describe the numbers above them."""
-    out = []
-    comp = data.get("compression") or {}
-    for link in LINKS:
-        v = comp.get(link["key"], {}).get("none") or {}
-        if v.get("step_ms") and v.get("bytes_per_step"):
-            payload = v["bytes_per_step"]["median"]
-            wire_ms = payload * 8 / (link["rate_mbit"] * 1e6) * 1e3
-            out.append(
-                f"- {link['label']}: none takes {v['step_ms']['median']:.0f} ms per step; its {payload / 1e6:.1f} MB"
-                f" of gradients alone need {wire_ms:.0f} ms at the link rate (a 2-rank ring all-reduce sends about the"
-                " payload once each way)."
-            )
-    acc = data.get("accuracy") or {}
-    base = acc.get("none", {})
-    if "final_acc" in base:
-        same = [
-            n
-            for n, a in acc.items()
-            if n != "none" and a.get("final_acc") == base["final_acc"] and a.get("param_checksum") is not None
-        ]
-        moved = [n for n in same if acc[n]["param_checksum"] != base.get("param_checksum")]
-        if moved:
-            out.append(
-                f"- {', '.join(moved)} {'ends' if len(moved) == 1 else 'end'} with the same accuracy as none after"
-                f" {data['acc_steps']} steps, but not the"
-                " same parameters (sum of |parameters|: "
-                + ", ".join(f"{n} {acc[n]['param_checksum']:.4f}" for n in ["none", *moved])
-                + "): the narrower all-reduce rounds the gradients, too little to change a prediction here."
-            )
-        for n, a in acc.items():
-            if n != "none" and "final_acc" in a and a["final_acc"] < base["final_acc"] - 0.02:
-                out.append(
-                    f"- {n} is {100 * (base['final_acc'] - a['final_acc']):.1f} points below none after"
-                    f" {data['acc_steps']} steps (powersgd_start_iter={data['powersgd_start_iter']}: compressed from"
-                    f" step {data['powersgd_start_iter'] + 1} on; starting PowerSGD later, as its authors recommend,"
-                    " keeps more accuracy at the price of uncompressed early steps)."
-                )
-    ps = data.get("ps") or {}
-    for name, v in ps.items():
-        if name != MIRRORED and v.get("steps_w0") and v.get("throughput_over_mirrored"):
-            out.append(
-                f"- {name}: worker 0 (fast link) ran {v['steps_w0']['median']:.0f} steps of"
-                f" {v['step_ms_w0']['median']:.0f} ms, worker 1 (slow link) {v['steps_w1']['median']:.0f} of"
-                f" {v['step_ms_w1']['median']:.0f} ms (a pull and a push of the whole model per step); under"
-                f" ds_mirrored both wait for the slow link every step ({ps[MIRRORED]['step_ms_w0']['median']:.0f} ms)."
-                f" Throughput {v['throughput_over_mirrored']['median']:.2f}x ds_mirrored's."
-                if ps.get(MIRRORED, {}).get("step_ms_w0")
-                else f"- {name}: throughput {v['throughput_over_mirrored']['median']:.2f}x ds_mirrored's."
-            )
-    bal = data.get("balance") or {}
-    v, e = bal.get(BALANCED) or {}, bal.get(EQUAL) or {}
-    if v.get("final_share_rank0") and e.get("compute_ms_per_sample_r0") and e.get("step_ms"):
-        share, ratio = v["final_share_rank0"], bal.get("ratio_epoch")
-        out.append(
-            "- DynamicLoadBalancer divides the batch by compute throughput, timed up to the launch of the last gradient"
-            " bucket, which leaves the all-reduce out. Under the equal split that compute was"
-            f" {e['compute_ms_per_sample_r0']['median']:.3f} / {e['compute_ms_per_sample_r1']['median']:.3f} ms per"
-            f" sample on rank 0 / rank 1 (median), about"
-            f" {e['compute_ms_per_sample_r0']['median'] * data['global_batch'] / WORKERS:.0f} ms per rank per step"
-            f" out of a {e['step_ms']['median']:.0f} ms step: the"
-            " all-reduce over the slow link dominates and waits for it whatever the split. So the balancer has no"
-            " real imbalance to correct; its final rank-0 share was"
-            f" {share['median']:.3f} [{share['min']:.3f} - {share['max']:.3f}] (following noise in the compute"
-            f" measurement on this shared machine) and the epoch time balanced / equal {_fmt(ratio, '.3f')}."
-        )
-    return ["**Notes**", "", *out] if out else []
-
-
-def render(out: Path) -> None:
-    """Re-derives verdict, notes, table and chart from a finished run's raw figures (no cluster needed)."""
-    data = json.loads((out / "cluster.json").read_text())
-    if data.get("compression") is not None:
-        data["targets"] = [verdict(data["compression"], data.get("accuracy") or {})]
-    data["notes"] = notes(data)
-    print("\n".join(write_outputs(data, out)))
-
-
-def main() -> None:
-    opts = parse_args()
-    if opts.render:
-        render(opts.out or RESULTS)
-        return
-    missing = netns.missing_requirements()
-    if missing is not None:
-        print(f"cluster benchmark skipped: the network-namespace cluster cannot be built here: {missing}", flush=True)
-        return
-    if opts.out is None:  # a smoke test never overwrites the real results
-        opts.out = Path(tempfile.mkdtemp(prefix="ds-cluster-quick-")) if opts.quick else RESULTS
-    start = time.monotonic()
-    package_at_start = package_state()
-    comp_names = [c["name"] for c in compression_configs(opts)]
-    raw: dict[str, Any] = {
-        "compression": {link["key"]: {n: [] for n in comp_names} for link in LINKS},
-        "ps": {c["name"]: [] for c in ps_configs(opts)},
-        "balance": {EQUAL: [], BALANCED: []},
-    }
-    setup: dict[str, Any] = {"links": {}, "unsupported": {}, "probes": {}}
-    accuracy: dict[str, Any] = {}
-    with netns.Cluster(3) as cluster:
-        setup["hosts"] = [{"name": h.name, "address": h.address} for h in cluster.hosts]
-        setup["qdisc_kind"] = "netem" if netns.netem_available() else "tbf (no netem in this kernel)"
-        for label, rate in (("unshaped", None), ("1 Gbit/s", 1000.0), ("100 Mbit/s", 100.0)):
-            if rate is None:
-                for host in cluster.hosts:
-                    cluster.unshape(host)
-            else:
-                shape_links(cluster, {i: (rate, None) for i in range(WORKERS)})
-            setup["probes"][label] = probe_link(cluster, 1, 0, 200.0 if rate is None else rate / 8 * 1.5)
-            print(f"  link probe host 1 -> host 0, {label}: {setup['probes'][label] or 0:.0f} Mbit/s", flush=True)
-        for r in range(opts.rounds):
+    def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
+        """Part 1 on every link, then parts 2 and 3, per repeat; then the accuracy runs. Raw results by part."""
+        missing = netns.missing_requirements()
+        if missing is not None:
+            print(f"cluster benchmark skipped: the network-namespace cluster cannot be built here: {missing}")
+            raise SystemExit(0)
+        comp_names = [c["name"] for c in compression_configs(opts)]
+        raw: dict[str, Any] = {
+            "compression": {link["key"]: {n: [] for n in comp_names} for link in LINKS},
+            "ps": {c["name"]: [] for c in ps_configs(opts)},
+            "balance": {EQUAL: [], BALANCED: []},
+        }
+        setup: dict[str, Any] = {"links": {}, "unsupported": {}, "probes": {}}
+        accuracy: dict[str, Any] = {}
+        with netns.Cluster(3) as cluster:
+            setup["hosts"] = [{"name": h.name, "address": h.address} for h in cluster.hosts]
+            setup["qdisc_kind"] = "netem" if netns.netem_available() else "tbf (no netem in this kernel)"
+            for label, rate in (("unshaped", None), ("1 Gbit/s", 1000.0), ("100 Mbit/s", 100.0)):
+                if rate is None:
+                    for host in cluster.hosts:
+                        cluster.unshape(host)
+                else:
+                    shape_links(cluster, {i: (rate, None) for i in range(WORKERS)})
+                setup["probes"][label] = probe_link(cluster, 1, 0, 200.0 if rate is None else rate / 8 * 1.5)
+                print(f"  link probe host 1 -> host 0, {label}: {setup['probes'][label] or 0:.0f} Mbit/s", flush=True)
+            for r in range(opts.repeats):
+                if "compression" in opts.parts:
+                    run_compression_round(cluster, r, opts, raw["compression"], setup)
+                if "ps" in opts.parts or "balance" in opts.parts:
+                    run_uneven_round(cluster, r, opts, raw, setup)
             if "compression" in opts.parts:
-                run_compression_round(cluster, r, opts, raw["compression"], setup)
-            if "ps" in opts.parts or "balance" in opts.parts:
-                run_uneven_round(cluster, r, opts, raw, setup)
-        if "compression" in opts.parts:
-            accuracy = run_accuracy(cluster, opts)
-    comp = summarise_compression(raw["compression"]) if "compression" in opts.parts else None
-    data: dict[str, Any] = {
-        "package": package_at_start,
-        "rounds": opts.rounds,
-        "warmup": opts.warmup,
-        "steps": opts.steps,
-        "acc_steps": opts.acc_steps,
-        "hidden": opts.hidden,
-        "params": next(
-            (r["params"] for runs in [accuracy, *raw["compression"].values()] for r in _flat(runs) if "params" in r),
-            None,
-        ),
-        "powersgd_start_iter": opts.powersgd_start_iter,
-        "compression_configs": compression_configs(opts),
-        "ps_hidden": opts.ps_hidden,
-        "ps_steps": opts.ps_steps,
-        "global_batch": opts.global_batch,
-        "interval": opts.interval,
-        "balance_epochs": opts.balance_epochs,
-        "balance_warmup_epochs": opts.balance_warmup_epochs,
-        "setup": setup,
-        "compression": comp,
-        "accuracy": accuracy,
-        "ps": summarise_ps(raw["ps"]) if "ps" in opts.parts else None,
-        "balance": summarise_balance(raw["balance"]) if "balance" in opts.parts else None,
-        "targets": [verdict(comp, accuracy or {})] if comp is not None else [],
-        "seconds": time.monotonic() - start,
-        "launches": LAUNCHES,
-        "raw": raw,
-    }
-    data["notes"] = notes(data)
-    if package_state() != package_at_start:  # every launch imports the package afresh: say so if it changed
-        data["package_at_end"] = package_state()
-        print("  note: the package changed while the benchmark ran (see package / package_at_end)", flush=True)
-    lines = write_outputs(data, opts.out)
-    print("\n".join(lines))
-    print(f"wrote {opts.out}/cluster.{{json,md,png}} in {data['seconds'] / 60:.1f} min", flush=True)
+                accuracy = run_accuracy(cluster, opts)
+        params = (
+            r["params"] for runs in [accuracy, *raw["compression"].values()] for r in _flat(runs) if "params" in r
+        )
+        return {
+            "compression_configs": compression_configs(opts),
+            "params": next(params, None),
+            "setup": setup,
+            "accuracy": accuracy,
+            "launches": LAUNCHES,
+            "records": [],  # this benchmark keeps its runs by part, link and configuration in "raw"
+            "raw": raw,
+        }
+
+    def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
+        parts, raw = data["settings"]["parts"], data["raw"]
+        comp = summarise_compression(raw["compression"]) if "compression" in parts else None
+        out = {
+            "compression": comp,
+            "ps": summarise_ps(raw["ps"]) if "ps" in parts else None,
+            "balance": summarise_balance(raw["balance"]) if "balance" in parts else None,
+            "targets": [verdict(comp, data.get("accuracy") or {})] if comp is not None else [],
+        }
+        out["notes"] = notes(self.view({**data, "summary": out}))
+        return out
+
+    @staticmethod
+    def view(data: dict[str, Any]) -> dict[str, Any]:
+        """One flat mapping of the options, the run's facts and the summary, as the tables read them."""
+        return {**data["settings"], **data, **data["summary"]}
+
+    def report(self, data: dict[str, Any]) -> list[str]:
+        return markdown(self.view(data))
+
+    def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
+        plot(self.view(data), out / "cluster.png")
+        return [out / "cluster.png"]
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(Cluster())

@@ -1,189 +1,195 @@
 """How fast is ds_mirrored? Against Lightning's ddp and a plain torch DDP loop, and per gradient_compression setting.
 
-Runs every configuration on 2 CPU processes (gloo, 1 thread each) with the 64-1024-1024-10 MLP on the digits,
-interleaving the configurations round by round (the machine is noisy), and reports medians, ratios and spreads.
-Writes ``results/mirrored.json``, ``results/mirrored.png`` and ``results/mirrored.md``.
+Every arm runs on 2 CPU processes (gloo, 1 thread each) with the 64-1024-1024-10 MLP on the digits, batch 32 per
+process; the benchmark harness interleaves the arms and repeats them. Arms: ``ds_mirrored`` (no compression; also the
+``none`` row of the compression table), Lightning's ``ddp``, a plain torch DDP loop, and ``ds_mirrored`` with
+``gradient_compression`` fp16, bf16 and powersgd. Step time is forward + backward + optimizer step (the harness's
+``StepTimer``; the plain loop times the same span by hand), median over the steps after the warm-up. Targets:
+ds_mirrored / Lightning ddp <= 1.00, ds_mirrored / plain loop <= 1.10.
 
-    python benchmarks/mirrored.py [--rounds 5] [--steps 150]
+    python benchmarks/mirrored.py [--quick] [--repeats 5] [--out DIR] [--render [JSON]] [--steps 150] [--warmup 20]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+from typing import Any
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-WORKER = HERE / "_mirrored_worker.py"
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import harness
+from benchmarks.harness import Arm, Experiment, fmt
+
+WORKER = Path(__file__).resolve().parent / "_mirrored_worker.py"
 STRATEGIES = {
-    "ds_mirrored": ["--mode", "lightning", "--strategy", "ds_mirrored"],
-    "lightning_ddp": ["--mode", "lightning", "--strategy", "ddp"],
-    "plain_ddp": ["--mode", "plain"],
+    "ds_mirrored": {"mode": "lightning", "strategy": "ds_mirrored", "compression": "none"},
+    "lightning_ddp": {"mode": "lightning", "strategy": "ddp", "compression": "none"},
+    "plain_ddp": {"mode": "plain"},
 }
-COMPRESSIONS = ["none", "fp16", "bf16", "powersgd"]
+COMPRESSIONS = {"none": "ds_mirrored", "fp16": "fp16", "bf16": "bf16", "powersgd": "powersgd"}  # setting: arm
 LINKS_MBIT = {"1 Gbit/s": 1000.0, "100 Mbit/s": 100.0}
+RATIOS = {
+    "lightning_ddp": "ds_mirrored / Lightning ddp (target <= 1.00)",
+    "plain_ddp": "ds_mirrored / plain DDP loop (target <= 1.10)",
+}
 
 
-def run_once(args: list[str], steps: int) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "result.json"
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        env.pop("MASTER_PORT", None)
-        cmd = [sys.executable, str(WORKER), *args, "--steps", str(steps), "--out", str(out)]
-        proc = subprocess.run(cmd, env=env, cwd=tmp, capture_output=True, text=True, timeout=600)
-        if not out.exists():
-            raise RuntimeError(f"{' '.join(args)} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        result = json.loads(out.read_text())
-        # Training finished and reported; a crash while the interpreter exits is recorded, not fatal.
-        result["exit_code"] = proc.returncode
-        if proc.returncode != 0:
-            print(f"  note: {' '.join(args)} exited with {proc.returncode} after writing its results", flush=True)
-        return result
+class Mirrored(harness.Benchmark):
+    name = "mirrored"
+    description = __doc__
+    defaults = {"repeats": 5, "steps": 150, "warmup": 20}
+    quick = {"repeats": 1, "steps": 10, "warmup": 2}
 
+    def options(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--steps", type=int, default=None, help="timed steps per run (150; 10 with --quick)")
+        parser.add_argument("--warmup", type=int, default=None, help="warm-up steps left out (20; 2 with --quick)")
+        parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 1024], help="hidden widths (1024 1024)")
+        parser.add_argument("--batch-size", type=int, default=32, help="batch per process (32)")
+        parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (600)")
 
-def spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+    def experiment(self, opts: argparse.Namespace) -> Experiment:
+        arms = [Arm(n, p) for n, p in STRATEGIES.items()]
+        arms += [
+            Arm(c, {"mode": "lightning", "strategy": "ds_mirrored", "compression": c}, f"ds_mirrored {c}")
+            for c in COMPRESSIONS
+            if c != "none"
+        ]
+        return Experiment(arms, opts.repeats, baseline="ds_mirrored")
 
+    def run(self, arm: Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
+        spec = {**arm.params, "hidden": opts.hidden, "batch_size": opts.batch_size}
+        spec.update(steps=opts.steps, warmup=opts.warmup)
+        found, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1))
+        r = found["result"]
+        reading = {"rc": found["rc"], "step_ms": r["median_step_ms"]}
+        reading.update({k: r[k] for k in ("comm_bytes_per_step", "uncompressed_bytes_per_step") if k in r})
+        return reading
 
-def interleaved(configs: dict[str, list[str]], rounds: int, steps: int) -> dict[str, list[dict]]:
-    results: dict[str, list[dict]] = {name: [] for name in configs}
-    names = list(configs)
-    for r in range(rounds):
-        order = names[r % len(names) :] + names[: r % len(names)]  # rotate, so no config always runs first
-        for name in order:
-            result = run_once(configs[name], steps)
-            results[name].append(result)
-            print(f"  round {r + 1}/{rounds} {name:>14}: {result['median_step_ms']:.2f} ms/step", flush=True)
-    return results
+    def progress(self, record: dict[str, Any]) -> str:
+        return f"{record['step_ms']:.2f} ms/step"
 
+    def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
+        records = data["records"]
+        s = harness.summarise(records, list(data["arms"]), ["step_ms", "comm_bytes_per_step"])
+        for arm in RATIOS:  # ds_mirrored over each reference, per repeat
+            s["ds_mirrored"][f"over_{arm}"] = harness.paired(records, "ds_mirrored", arm, "step_ms")
+        for setting, arm in COMPRESSIONS.items():
+            v = s[arm]
+            sent = v["comm_bytes_per_step"]["median"] if v["comm_bytes_per_step"] else None
+            full = next((r.get("uncompressed_bytes_per_step") for r in harness.ok(records, arm)), None)
+            step = v["step_ms"]["median"] if v["step_ms"] else None
+            # Projection, not a measurement: loopback time plus the payload at the link rate (a 2-rank ring
+            # all-reduce sends about the payload once per rank). cluster.py measures shaped links.
+            v["compression"] = {
+                "setting": setting,
+                "bytes_per_step": sent,
+                "uncompressed_bytes_per_step": full,
+                "projected_step_ms": {
+                    link: step + sent * 8 / (mbit * 1e6) * 1000 if step and sent else None
+                    for link, mbit in LINKS_MBIT.items()
+                },
+            }
+        return s
 
-def compare_strategies(rounds: int, steps: int) -> dict:
-    print("strategies (interleaved):", flush=True)
-    raw = interleaved(STRATEGIES, rounds, steps)
-    medians = {name: [r["median_step_ms"] for r in runs] for name, runs in raw.items()}
-    ratio_ddp = [a / b for a, b in zip(medians["ds_mirrored"], medians["lightning_ddp"], strict=True)]
-    ratio_plain = [a / b for a, b in zip(medians["ds_mirrored"], medians["plain_ddp"], strict=True)]
-    return {
-        "exit_codes": {name: [r["exit_code"] for r in runs] for name, runs in raw.items()},
-        "step_ms": {name: spread(values) for name, values in medians.items()},
-        "ratio_ds_mirrored_over_lightning_ddp": spread(ratio_ddp),
-        "ratio_ds_mirrored_over_plain_ddp": spread(ratio_plain),
-    }
+    def report(self, data: dict[str, Any]) -> list[str]:
+        s, st = data["summary"], data["settings"]
+        hidden = "-".join(str(h) for h in st["hidden"])
+        rows = [[n, fmt(s[n]["step_ms"], ".2f")] for n in STRATEGIES]
+        rows += [[f"**{label}**", f"**{fmt(s['ds_mirrored'][f'over_{a}'], '.3f')}**"] for a, label in RATIOS.items()]
+        comp_rows = []
+        for arm in COMPRESSIONS.values():
+            c = s[arm]["compression"]
+            p = c["projected_step_ms"]
+            share = (
+                c["bytes_per_step"] / c["uncompressed_bytes_per_step"]
+                if c["bytes_per_step"] and c["uncompressed_bytes_per_step"]
+                else None
+            )
+            comp_rows.append(
+                [
+                    c["setting"],
+                    f"{c['bytes_per_step'] / 1e6:.3f} MB" if c["bytes_per_step"] else "-",
+                    f"{share:.3f}x" if share else "-",
+                    fmt(s[arm]["step_ms"], ".2f"),
+                    *(f"{p[link]:.1f}" if p[link] else "-" for link in LINKS_MBIT),
+                ]
+            )
+        failed = [f"{a}: {e}" for a, v in s.items() for e in v["errors"]]
+        return [
+            f"2 CPU processes (gloo, 1 thread each), MLP 64-{hidden}-10, batch {st['batch_size']} per process,"
+            f" {st['warmup']} warm-up + {st['steps']} timed steps per run, {st['repeats']} interleaved repeat(s)."
+            " Median of per-run medians [min - max]; ratios per repeat.",
+            "",
+            *harness.markdown_table(["strategy", "step (ms)"], rows),
+            "",
+            *harness.markdown_table(
+                [
+                    "gradient_compression",
+                    "bytes/step",
+                    "vs none",
+                    "loopback step (ms)",
+                    "projected @1 Gbit/s",
+                    "projected @100 Mbit/s",
+                ],
+                comp_rows,
+            ),
+            *(["", "Failed runs:", *(f"- {f}" for f in failed)] if failed else []),
+        ]
 
+    def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
+        import matplotlib
 
-def compare_compression(rounds: int, steps: int) -> dict:
-    print("gradient_compression (interleaved):", flush=True)
-    configs = {c: ["--mode", "lightning", "--strategy", "ds_mirrored", "--compression", c] for c in COMPRESSIONS}
-    raw = interleaved(configs, rounds, steps)
-    out = {}
-    for name, runs in raw.items():
-        step = statistics.median(r["median_step_ms"] for r in runs)
-        sent = statistics.median(r["comm_bytes_per_step"] for r in runs)
-        # Projection, not a measurement: loopback time plus the payload at the link rate (2-rank ring all-reduce sends
-        # about the payload once per rank). Measured on shaped links by the cluster benchmark.
-        projected = {link: step + sent * 8 / (mbit * 1e6) * 1000 for link, mbit in LINKS_MBIT.items()}
-        out[name] = {
-            "step_ms": spread([r["median_step_ms"] for r in runs]),
-            "bytes_per_step": sent,
-            "uncompressed_bytes_per_step": runs[0]["uncompressed_bytes_per_step"],
-            "projected_step_ms": projected,
-        }
-    return out
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
-
-def write_outputs(data: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "mirrored.json").write_text(json.dumps(data, indent=2))
-    s, c = data["strategies"], data["compression"]
-    lines = [
-        f"2 CPU processes (gloo, 1 thread each), MLP 64-1024-1024-10, batch 32 per process, {data['steps']} timed steps"
-        f" per run, {data['rounds']} interleaved rounds. Median of per-run medians [min - max].",
-        "",
-        "| strategy | step (ms) |",
-        "|---|---|",
-    ]
-    for name, v in s["step_ms"].items():
-        lines.append(f"| {name} | {v['median']:.2f} [{v['min']:.2f} - {v['max']:.2f}] |")
-    for key, label in (
-        ("ratio_ds_mirrored_over_lightning_ddp", "ds_mirrored / Lightning ddp (target <= 1.00)"),
-        ("ratio_ds_mirrored_over_plain_ddp", "ds_mirrored / plain DDP loop (target <= 1.10)"),
-    ):
-        v = s[key]
-        lines.append(f"| **{label}** | **{v['median']:.3f}** [{v['min']:.3f} - {v['max']:.3f}] |")
-    lines += [
-        "",
-        "| gradient_compression | bytes/step | vs none | loopback step (ms) | projected @1 Gbit/s"
-        " | projected @100 Mbit/s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, v in c.items():
-        p = v["projected_step_ms"]
-        share = v["bytes_per_step"] / v["uncompressed_bytes_per_step"]
-        lines.append(
-            f"| {name} | {v['bytes_per_step'] / 1e6:.3f} MB | {share:.3f}x"
-            f" | {v['step_ms']['median']:.2f} [{v['step_ms']['min']:.2f} - {v['step_ms']['max']:.2f}]"
-            f" | {p['1 Gbit/s']:.1f} | {p['100 Mbit/s']:.1f} |"
+        s = data["summary"]
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        names = [n for n in STRATEGIES if s[n]["step_ms"]]
+        med = [s[n]["step_ms"]["median"] for n in names]
+        err = [
+            [m - s[n]["step_ms"]["min"] for n, m in zip(names, med, strict=True)],
+            [s[n]["step_ms"]["max"] - m for n, m in zip(names, med, strict=True)],
+        ]
+        ax1.bar(names, med, yerr=err, capsize=4, color=["tab:blue", "tab:orange", "tab:gray"][: len(names)])
+        ax1.set_ylabel("median step time (ms)")
+        ax1.set_title("2 CPU procs (min-max over repeats)")
+        comp = [a for a in COMPRESSIONS.values() if s[a]["compression"]["bytes_per_step"]]
+        x = list(range(len(comp)))
+        ax2.bar(
+            [i - 0.2 for i in x],
+            [s[a]["compression"]["bytes_per_step"] / 1e6 for a in comp],
+            width=0.4,
+            label="MB sent / step",
         )
-    (RESULTS / "mirrored.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    names = list(s["step_ms"])
-    med = [s["step_ms"][n]["median"] for n in names]
-    err = [
-        [m - s["step_ms"][n]["min"] for n, m in zip(names, med, strict=True)],
-        [s["step_ms"][n]["max"] - m for n, m in zip(names, med, strict=True)],
-    ]
-    ax1.bar(names, med, yerr=err, capsize=4, color=["tab:blue", "tab:orange", "tab:gray"])
-    ax1.set_ylabel("median step time (ms)")
-    ax1.set_title("2 CPU procs, MLP 64-1024-1024-10 (min-max over rounds)")
-    comp = list(c)
-    x = range(len(comp))
-    ax2.bar([i - 0.2 for i in x], [c[k]["bytes_per_step"] / 1e6 for k in comp], width=0.4, label="MB sent / step")
-    ax2.set_ylabel("MB per step per rank")
-    ax2.set_xticks(list(x), comp)
-    twin = ax2.twinx()
-    twin.bar(
-        [i + 0.2 for i in x],
-        [c[k]["step_ms"]["median"] for k in comp],
-        width=0.4,
-        color="tab:orange",
-        label="loopback ms",
-    )
-    twin.plot(
-        list(x), [c[k]["projected_step_ms"]["100 Mbit/s"] for k in comp], "k^--", label="projected ms @100 Mbit/s"
-    )
-    twin.set_ylabel("step time (ms)")
-    twin.set_yscale("log")
-    ax2.set_title("ds_mirrored gradient_compression")
-    handles = ax2.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
-    ax2.legend(handles, [h.get_label() for h in handles], loc="upper right", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(RESULTS / "mirrored.png", dpi=110)
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--steps", type=int, default=150)
-    args = parser.parse_args()
-    data = {"rounds": args.rounds, "steps": args.steps}
-    data["strategies"] = compare_strategies(args.rounds, args.steps)
-    data["compression"] = compare_compression(max(3, args.rounds - 2), args.steps)
-    write_outputs(data)
+        ax2.set_ylabel("MB per step per rank")
+        ax2.set_xticks(x, [s[a]["compression"]["setting"] for a in comp])
+        twin = ax2.twinx()
+        twin.bar(
+            [i + 0.2 for i in x],
+            [s[a]["step_ms"]["median"] for a in comp],
+            width=0.4,
+            color="tab:orange",
+            label="loopback ms",
+        )
+        twin.plot(
+            x,
+            [s[a]["compression"]["projected_step_ms"]["100 Mbit/s"] for a in comp],
+            "k^--",
+            label="projected ms @100 Mbit/s",
+        )
+        twin.set_ylabel("step time (ms)")
+        twin.set_yscale("log")
+        ax2.set_title("ds_mirrored gradient_compression")
+        handles = ax2.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax2.legend(handles, [h.get_label() for h in handles], loc="upper right", fontsize=8)
+        fig.tight_layout()
+        path = out / "mirrored.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return [path]
 
 
 if __name__ == "__main__":
-    main()
+    harness.main(Mirrored())

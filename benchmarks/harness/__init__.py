@@ -1,0 +1,42 @@
+"""The benchmark harness: experiment specs, interleaved launches, records, summaries, writers, one clock, one CLI.
+
+A benchmark script subclasses :class:`Benchmark` with its experiment (the arms) and its reading (what it measures
+from one run), and calls :func:`main`; see ``benchmarks/README.md``.
+"""
+
+from .cli import RESULTS, Benchmark, main
+from .run import REPO, Failed, error_line, launch, package_state, run_experiment, worker_env
+from .spec import Arm, Experiment, interleave
+from .summary import best_of, fmt, ok, paired, ratio_to, spread, summarise, values
+from .writers import FORMAT, Panel, bar_panels, markdown_table, read_json, write_json, write_markdown
+
+__all__ = [
+    "FORMAT",
+    "REPO",
+    "RESULTS",
+    "Arm",
+    "Benchmark",
+    "Experiment",
+    "Failed",
+    "Panel",
+    "bar_panels",
+    "best_of",
+    "error_line",
+    "fmt",
+    "interleave",
+    "launch",
+    "main",
+    "markdown_table",
+    "ok",
+    "package_state",
+    "paired",
+    "ratio_to",
+    "read_json",
+    "run_experiment",
+    "spread",
+    "summarise",
+    "values",
+    "worker_env",
+    "write_json",
+    "write_markdown",
+]

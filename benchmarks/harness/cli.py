@@ -1,0 +1,153 @@
+"""The one command line every benchmark script shares, and the run / write / re-render cycle behind it."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .run import package_state, run_experiment
+from .spec import Arm, Experiment
+from .writers import read_json, write_json, write_markdown
+
+__all__ = ["RESULTS", "Benchmark", "main"]
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+class Benchmark:
+    """One benchmark script: subclass it, keep only the experiment and the reading, and call :func:`main`.
+
+    A subclass sets :attr:`name` (the results' file stem) and :attr:`defaults` / :attr:`quick` (option values in a
+    full and a ``--quick`` run), and implements :meth:`experiment`, :meth:`run`, :meth:`summarise` and
+    :meth:`report`; :meth:`plot`, :meth:`options`, :meth:`meta` and :meth:`progress` are optional.
+    :meth:`collect` runs the experiment interleaved; a benchmark whose launches cover several arms overrides it.
+    """
+
+    name: str = ""
+    description: str = ""
+    #: option values of a full run; ``repeats`` among them
+    defaults: dict[str, Any] = {"repeats": 3}
+    #: option values of a ``--quick`` run (a smoke test)
+    quick: dict[str, Any] = {"repeats": 1}
+
+    def options(self, parser: argparse.ArgumentParser) -> None:
+        """Add this benchmark's own options; leave a default ``None`` to take it from :attr:`defaults`/:attr:`quick`."""
+
+    def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
+        """What the JSON records about the machine and the setup besides the options (e.g. the CPU's name)."""
+        return {}
+
+    def experiment(self, opts: argparse.Namespace) -> Experiment:
+        """The arms to compare and their repeats."""
+        raise NotImplementedError
+
+    def run(self, arm: Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
+        """Run one arm once and read its figures (a flat dict); raise :class:`harness.Failed` for no result."""
+        raise NotImplementedError
+
+    def progress(self, record: dict[str, Any]) -> str:
+        """One console line about a finished run."""
+        return f"median step {record['median_step_ms']:.2f} ms" if "median_step_ms" in record else "done"
+
+    def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
+        """Run everything; the JSON's body (``records`` at least, and the arms in table order)."""
+        experiment = self.experiment(opts)
+        records = run_experiment(experiment, lambda arm, rep: self.run(arm, rep, opts), self.progress)
+        arms = {a.name: a.title for a in experiment.arms}
+        return {"arms": arms, "baseline": experiment.baseline, "records": records}
+
+    def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The summary (medians, spreads, ratios) from ``data["records"]``; recomputed by ``--render``."""
+        raise NotImplementedError
+
+    def report(self, data: dict[str, Any]) -> list[str]:
+        """The markdown's lines, from ``data`` (with its ``summary``)."""
+        raise NotImplementedError
+
+    def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
+        """Write the charts into ``out``; the paths written."""
+        return []
+
+
+def parser(bench: Benchmark) -> argparse.ArgumentParser:
+    """The shared options, then the benchmark's own."""
+    p = argparse.ArgumentParser(description=bench.description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"a smoke test: {_show(bench.quick)}")
+    p.add_argument("--repeats", type=int, default=None, help="interleaved runs of every arm (full run: %(default)s)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="output folder (default benchmarks/results; a temp folder with --quick)"
+    )
+    p.add_argument(
+        "--render",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="JSON",
+        help=f"run nothing: re-read the JSON (default <out>/{bench.name}.json) and rewrite its markdown and PNG",
+    )
+    bench.options(p)
+    return p
+
+
+def _show(values: dict[str, Any]) -> str:
+    return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in values.items())
+
+
+def resolve(bench: Benchmark, opts: argparse.Namespace) -> argparse.Namespace:
+    """Fill every option left ``None`` from the full or quick defaults, and the output folder."""
+    for key, value in {**bench.defaults, **(bench.quick if opts.quick else {})}.items():
+        if getattr(opts, key, None) is None:
+            setattr(opts, key, value)
+    if opts.repeats is not None and opts.repeats < 1:
+        raise SystemExit(f"--repeats {opts.repeats}: give at least 1")
+    if opts.out is None:  # a smoke test never overwrites the real results
+        if opts.render:
+            opts.out = Path(opts.render).parent
+        else:
+            opts.out = Path(tempfile.mkdtemp(prefix=f"ds-{bench.name}-quick-")) if opts.quick else RESULTS
+    return opts
+
+
+def write(bench: Benchmark, data: dict[str, Any], out: Path, json_too: bool = True) -> list[Path]:
+    """Summarise, then write the JSON (unless re-rendering), the markdown (printed) and the charts."""
+    data["summary"] = bench.summarise(data)
+    written = []
+    if json_too:
+        write_json(out / f"{bench.name}.json", data)
+        written.append(out / f"{bench.name}.json")
+    write_markdown(out / f"{bench.name}.md", bench.report(data))
+    return [*written, out / f"{bench.name}.md", *bench.plot(data, out)]
+
+
+def main(bench: Benchmark, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Parse the shared command line, then run and write, or (``--render``) re-render; the data written."""
+    opts = resolve(bench, parser(bench).parse_args(argv))
+    if opts.render is not None:
+        data = read_json(Path(opts.render) if opts.render else opts.out / f"{bench.name}.json")
+        written = write(bench, data, opts.out, json_too=False)
+        print(f"re-rendered {', '.join(p.name for p in written)} in {opts.out}", flush=True)
+        return data
+    start = time.monotonic()
+    package = package_state()
+    meta = bench.meta(opts)  # may complete the options (e.g. "auto" resolved): the settings record the result
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k not in ("out", "render")}
+    data: dict[str, Any] = {
+        "benchmark": bench.name,
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "settings": settings,
+        "package": package,
+        **meta,
+    }
+    data.update(bench.collect(opts))
+    data["seconds"] = time.monotonic() - start
+    if package_state() != package:  # every run imports the package afresh: say so if it changed
+        data["package_at_end"] = package_state()
+        print("  note: the package changed while the benchmark ran (see package / package_at_end)", flush=True)
+    written = write(bench, data, opts.out)
+    print(f"wrote {', '.join(p.name for p in written)} to {opts.out} in {data['seconds'] / 60:.1f} min", flush=True)
+    return data

@@ -1,0 +1,164 @@
+"""The benchmark harness's pure parts: the interleaved order, summaries, writers and the CLI on a toy benchmark."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import harness
+from benchmarks.harness import Arm, Experiment, Panel
+
+
+def test_interleave_alternates_arms_and_rotates_the_first():
+    assert harness.interleave(["A", "B"], 3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
+    assert [n for _, n in harness.interleave(["A", "B", "C"], 3)] == list("ABCBCACAB")
+    assert [n for _, n in harness.interleave(["A", "B"], 2, rotate=False)] == list("ABAB")
+
+
+def test_experiment_order_and_validation():
+    exp = Experiment([Arm("a", {"x": 1}), Arm("b", label="B!")], repeats=2, baseline="a")
+    assert [(r, a.name) for r, a in exp.order()] == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
+    assert exp.arm("b").title == "B!" and exp.arm("a").title == "a"
+    with pytest.raises(ValueError, match="baseline='c'"):
+        Experiment([Arm("a")], repeats=1, baseline="c")
+    with pytest.raises(ValueError, match="repeat a name"):
+        Experiment([Arm("a"), Arm("a")], repeats=1)
+    with pytest.raises(ValueError, match="repeats=0"):
+        Experiment([Arm("a")], repeats=0)
+
+
+def test_spread_median_range_and_quartiles():
+    s = harness.spread([5.0, 1.0, None, 3.0, 2.0, 4.0])
+    assert s == {"median": 3.0, "min": 1.0, "max": 5.0, "q1": 2.0, "q3": 4.0, "runs": [5.0, 1.0, 3.0, 2.0, 4.0]}
+    assert harness.spread([None]) is None
+    assert harness.spread([7.0])["q1"] == 7.0
+
+
+def _records() -> list[dict[str, Any]]:
+    return [
+        {"arm": "fp32", "repeat": 0, "ms": 10.0},
+        {"arm": "bf16", "repeat": 0, "ms": 8.0},
+        {"arm": "auto", "repeat": 0, "ms": 8.8},
+        {"arm": "fp32", "repeat": 1, "ms": 12.0},
+        {"arm": "bf16", "repeat": 1, "ms": 20.0},
+        {"arm": "auto", "repeat": 1, "ms": 13.2},
+        {"arm": "fp32", "repeat": 2, "ms": 11.0},
+        {"arm": "bf16", "repeat": 2, "error": "exit code 1"},
+        {"arm": "auto", "repeat": 2, "ms": 11.0},
+    ]
+
+
+def test_paired_ratio_per_repeat_skips_failed_runs():
+    r = harness.paired(_records(), "bf16", "fp32", "ms")
+    assert r["runs"] == pytest.approx([0.8, 20 / 12])  # repeat 2's bf16 failed: no pair
+    assert r["median"] == pytest.approx((0.8 + 20 / 12) / 2)
+
+
+def test_paired_ratio_against_the_faster_of_several_arms():
+    r = harness.paired(_records(), "auto", ["fp32", "bf16"], "ms")
+    # repeat 0: bf16 (8.0) is faster; repeat 1: fp32 (12.0); repeat 2: bf16 failed, so no faster-of-both.
+    assert r["runs"] == pytest.approx([8.8 / 8.0, 13.2 / 12.0])
+
+
+def test_summarise_counts_failures_and_ratios_to_the_baseline():
+    s = harness.summarise(_records(), ["fp32", "bf16", "auto"], ["ms"], baseline="fp32")
+    assert s["bf16"]["failed_runs"] == 1 and s["bf16"]["errors"] == ["exit code 1"]
+    assert s["fp32"]["ms"]["median"] == 11.0 and "ms_ratio" not in s["fp32"]
+    assert s["auto"]["ms_ratio"]["runs"] == pytest.approx([0.88, 1.1, 1.0])
+    assert harness.best_of(s, ["fp32", "bf16"], "ms") == "fp32"  # medians 11.0 and 14.0
+
+
+def test_fmt():
+    assert harness.fmt(harness.spread([1.0, 2.0, 4.0]), ".1f") == "2.0 [1.0 - 4.0]"
+    assert harness.fmt(harness.spread([1.0, 2.0, 3.0, 4.0, 100.0]), ".0f", iqr=True) == "3 [2 - 4]"
+    assert harness.fmt(harness.spread([0.5]), ".0f", scale=100) == "50"
+    assert harness.fmt(None) == "-"
+
+
+def test_markdown_table():
+    assert harness.markdown_table(["a", "b"], [[1, "x|y"]]) == ["| a | b |", "|---|---|", "| 1 | x\\|y |"]
+    with pytest.raises(ValueError, match="2 cells"):
+        harness.markdown_table(["a", "b"], [[1]])
+
+
+def test_json_round_trip_and_old_format_refused(tmp_path: Path):
+    harness.write_json(tmp_path / "x.json", {"records": [{"arm": "a"}]})
+    assert harness.read_json(tmp_path / "x.json") == {"format": harness.FORMAT, "records": [{"arm": "a"}]}
+    (tmp_path / "old.json").write_text(json.dumps({"summary": {}}))
+    with pytest.raises(SystemExit, match="before the benchmark harness"):
+        harness.read_json(tmp_path / "old.json")
+    with pytest.raises(SystemExit, match="does not exist"):
+        harness.read_json(tmp_path / "missing.json")
+
+
+def test_bar_panels_writes_a_png(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    s = harness.summarise(_records(), ["fp32", "bf16", "auto"], ["ms"], baseline="fp32")
+    harness.bar_panels(tmp_path / "c.png", s, [Panel("ms", "step (ms)", "ms_ratio")], title="t")
+    assert (tmp_path / "c.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class Toy(harness.Benchmark):
+    """Pure: every run's reading is a function of its arm and repeat."""
+
+    name = "toy"
+    defaults = {"repeats": 3, "steps": 50}
+    quick = {"repeats": 2, "steps": 5}
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int, int]] = []
+
+    def options(self, parser):
+        parser.add_argument("--steps", type=int, default=None)
+
+    def experiment(self, opts):
+        return Experiment([Arm("base"), Arm("fast", {"speed": 2.0})], opts.repeats, baseline="base")
+
+    def run(self, arm, repeat, opts):
+        self.calls.append((arm.name, repeat, opts.steps))
+        if arm.name == "fast" and repeat == 1:
+            raise harness.Failed("exit code 1, RuntimeError: boom")
+        return {"ms": (10.0 + repeat) / arm.params.get("speed", 1.0)}
+
+    def summarise(self, data):
+        return harness.summarise(data["records"], list(data["arms"]), ["ms"], data["baseline"])
+
+    def report(self, data):
+        s = data["summary"]
+        return harness.markdown_table(
+            ["arm", "ms", "ratio"], [[a, harness.fmt(s[a]["ms"]), harness.fmt(s[a].get("ms_ratio"), ".2f")] for a in s]
+        )
+
+
+def test_cli_quick_run_then_render(tmp_path: Path, capsys):
+    bench = Toy()
+    data = harness.main(bench, ["--quick", "--out", str(tmp_path)])
+    assert bench.calls == [("base", 0, 5), ("fast", 0, 5), ("fast", 1, 5), ("base", 1, 5)]
+    assert data["settings"]["repeats"] == 2 and data["settings"]["quick"] is True
+    assert data["records"][2] == {
+        "arm": "fast",
+        "repeat": 1,
+        "order": 2,
+        "seconds": pytest.approx(0, abs=1),
+        "error": "exit code 1, RuntimeError: boom",
+    }
+    written = json.loads((tmp_path / "toy.json").read_text())
+    assert written["summary"]["fast"]["ms_ratio"]["runs"] == [0.5]
+    md = (tmp_path / "toy.md").read_text()
+    assert "| fast | 5.0 | 0.50 |" in md
+
+    (tmp_path / "toy.md").unlink()
+    bench2 = Toy()
+    harness.main(bench2, ["--render", str(tmp_path / "toy.json")])
+    assert bench2.calls == []  # nothing ran
+    assert (tmp_path / "toy.md").read_text() == md
+    assert "re-rendered toy.md" in capsys.readouterr().out
+
+
+def test_cli_full_defaults_and_explicit_repeats(tmp_path: Path):
+    bench = Toy()
+    harness.main(bench, ["--repeats", "1", "--out", str(tmp_path), "--steps", "7"])
+    assert bench.calls == [("base", 0, 7), ("fast", 0, 7)]
