@@ -6,6 +6,8 @@ from typing import Any
 
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from ds_lightning.callbacks.load_balancer import DynamicLoadBalancer
+
 
 def data_parallel_size(trainer: Any) -> int:
     """Processes that read different samples: the distributed sampler's replicas (1 without one).
@@ -46,8 +48,6 @@ def samples_per_micro_step(trainer: Any, who: str) -> int:
     A :class:`~ds_lightning.callbacks.DynamicLoadBalancer` fixes it at its global batch size (the DataLoader's own
     batch size is then unused); otherwise it is the per-device batch size times the data-parallel size.
     """
-    from ds_lightning.callbacks.load_balancer import DynamicLoadBalancer
-
     for callback in trainer.callbacks:
         if isinstance(callback, DynamicLoadBalancer) and callback.plan is not None:
             return callback.global_batch_size

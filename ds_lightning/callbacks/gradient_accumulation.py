@@ -12,6 +12,7 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.callbacks._batch_geometry import data_parallel_size, per_device_batch_size, samples_per_micro_step
+from ds_lightning.callbacks.load_balancer import DynamicLoadBalancer
 
 __all__ = ["GradientAccumulation"]
 
@@ -170,8 +171,6 @@ class GradientAccumulation(Callback):
 
 
 def _describe_micro_step(trainer: pl.Trainer, per_micro_step: int) -> str:
-    from ds_lightning.callbacks.load_balancer import DynamicLoadBalancer
-
     if any(isinstance(c, DynamicLoadBalancer) and c.plan is not None for c in trainer.callbacks):  # type: ignore[attr-defined]
         return f"the DynamicLoadBalancer's global_batch_size={per_micro_step}"
     batch = per_device_batch_size(trainer, "GradientAccumulation(global_batch_size=...)")

@@ -16,6 +16,7 @@ from typing_extensions import override
 from ds_lightning import _validation as check
 from ds_lightning.callbacks._share_plan import SharePlan, split_sizes
 from ds_lightning.callbacks._share_sampler import ShareBatchSampler
+from ds_lightning.strategies.mirrored import MirroredStrategy
 
 __all__ = ["DynamicLoadBalancer"]
 
@@ -102,8 +103,6 @@ class DynamicLoadBalancer(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        from ds_lightning.strategies.mirrored import MirroredStrategy
-
         strategy = trainer.strategy
         world = int((getattr(strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1))
         name = getattr(strategy, "strategy_name", None) or type(strategy).__name__

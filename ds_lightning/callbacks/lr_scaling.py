@@ -13,6 +13,8 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.callbacks._batch_geometry import samples_per_micro_step
+from ds_lightning.callbacks.gradient_accumulation import GradientAccumulation
+from ds_lightning.strategies.parameter_server import ParameterServerStrategy
 
 __all__ = ["LRScaling"]
 
@@ -86,8 +88,6 @@ class LRScaling(Callback):
 
     @staticmethod
     def _accumulation(trainer: pl.Trainer) -> int:
-        from ds_lightning.callbacks.gradient_accumulation import GradientAccumulation
-
         for callback in trainer.callbacks:  # type: ignore[attr-defined]
             if isinstance(callback, GradientAccumulation):
                 return callback.steps_for_epoch(trainer, trainer.current_epoch)
@@ -112,8 +112,6 @@ class LRScaling(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from ds_lightning.strategies.parameter_server import ParameterServerStrategy
-
         self.applied_factor = 1.0  # fit() builds fresh optimizers; a resumed run's factor comes from load_state_dict
         if stage == "fit" and isinstance(trainer.strategy, ParameterServerStrategy):
             raise MisconfigurationException(

@@ -16,6 +16,7 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.callbacks._amp_plugin import MixedPrecision as _AmpPlugin
+from ds_lightning.strategies.pipeline import PipelineStrategy
 
 __all__ = ["MixedPrecision", "choose_auto_precision"]
 
@@ -145,8 +146,6 @@ class MixedPrecision(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        from ds_lightning.strategies.pipeline import PipelineStrategy
-
         strategy = trainer.strategy
         if isinstance(strategy, PipelineStrategy):
             raise MisconfigurationException(

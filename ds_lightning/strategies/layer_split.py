@@ -31,6 +31,20 @@ __all__ = ["LayerSplitStrategy"]
 _CPU = torch.device("cpu")
 
 
+def _check_root_device(device: object, stage_devices: list[torch.device]) -> None:
+    if device is None:
+        return
+    try:
+        root = torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a torch device; leave it unset (the first stage's).") from err
+    if root != stage_devices[0]:
+        raise ValueError(
+            f"device={device!r} must be the first stage's device, {str(stage_devices[0])!r} (devices="
+            f"{[str(d) for d in stage_devices]}); leave device unset, or list it first in devices."
+        )
+
+
 def _parse_devices(devices: Sequence[str | torch.device] | None) -> list[torch.device]:
     """Turn the ``devices`` option into torch devices, or pick the default: every CUDA device, else two CPUs."""
     if devices is None:
@@ -110,7 +124,14 @@ class LayerSplitStrategy(SingleDeviceStrategy):
     Micro-batching leaves the computed function unchanged for layers that treat rows independently; layers that mix
     rows of a batch (``BatchNorm``) see micro-batches instead of the whole batch.
 
+    ``SingleDeviceStrategy``'s arguments come first, in its positions; the split options are keyword-only.
+
     Args:
+        device: where batches arrive and the split part returns its output: the first stage's device, which is
+            what ``None`` means; any other value is refused, naming the first of ``devices``.
+        accelerator: set by the Trainer.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
         devices: one device per stage, all of one type, e.g. ``["cuda:0", "cuda:1"]``. ``None``: every visible CUDA
             device, or ``["cpu", "cpu"]`` without CUDA (two stages on the CPU, which exercises the split).
         n_microbatches: micro-batches per batch; a batch with fewer rows gets one micro-batch per row.
@@ -120,9 +141,6 @@ class LayerSplitStrategy(SingleDeviceStrategy):
         pipe_module: name of the LightningModule's ``nn.Sequential`` attribute to split.
         activation_checkpointing: keep only each stage's input per micro-batch and recompute the rest in the
             backward pass, trading compute for activation memory.
-        accelerator: set by the Trainer.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
 
     Raises:
         ValueError: for any invalid option, naming the value and the fix.
@@ -133,16 +151,19 @@ class LayerSplitStrategy(SingleDeviceStrategy):
 
     def __init__(
         self,
+        device: str | torch.device | int | None = None,
+        accelerator: Accelerator | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        *,
         devices: list[str] | None = None,
         n_microbatches: int = 1,
         balance: list[int] | Literal["auto"] | None = None,
         pipe_module: str = "net",
         activation_checkpointing: bool = False,
-        accelerator: Accelerator | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
     ) -> None:
         stage_devices = _parse_devices(devices)
+        _check_root_device(device, stage_devices)
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(
                 f"n_microbatches={n_microbatches!r} must be an integer >= 1, e.g. "

@@ -7,6 +7,8 @@ groups, schedules, the runtime that runs them, micro-batching, checkpoint consol
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -18,8 +20,9 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -48,6 +51,10 @@ from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 __all__ = ["PipelineStrategy"]
 
 
+# torch 2.13's zero-bubble schedules run a checkpointed stage's forward again in each of their two backward passes.
+_RECOMPUTE_TWICE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
 class PipelineStrategy(ClusterStrategy):
     """Pipeline model parallelism: the model's ``nn.Sequential`` is split into stages, one device per stage.
 
@@ -61,7 +68,25 @@ class PipelineStrategy(ClusterStrategy):
     the module defines ``pipeline_batch(batch) -> (input, target)``. The ordinary ``training_step`` still runs on every
     rank and sees the pipeline's output, so what it logs reaches the progress bar and loggers as usual.
 
+    The arguments ``DDPStrategy`` takes come first, in its positions (see
+    :class:`~ds_lightning.strategies.ClusterStrategy`); those about torch's DDP wrapper are refused, since stage
+    gradients are averaged over the data-parallel group without it. The pipeline options are keyword-only.
+
     Args:
+        accelerator: set by the Trainer.
+        parallel_devices: set by the Trainer.
+        cluster_environment: set by the Trainer, or :class:`~ds_lightning.environments.TFConfigEnvironment`.
+        checkpoint_io: set by the Trainer.
+        precision_plugin: set by the Trainer.
+        ddp_comm_state: refused (no DDP wrapper); must stay ``None``.
+        ddp_comm_hook: refused (no DDP wrapper); must stay ``None``.
+        ddp_comm_wrapper: refused (no DDP wrapper); must stay ``None``.
+        model_averaging_period: refused (no DDP wrapper); must stay ``None``.
+        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks NCCL for CUDA and gloo otherwise.
+        timeout: how long any collective or point-to-point transfer may wait before the run fails instead of
+            hanging: seconds or a ``timedelta``; ``None`` means torch's default (30 minutes).
+        start_method: ``"popen"`` re-runs the script per rank; ``"spawn"``/``"fork"``/``"forkserver"`` use
+            multiprocessing.
         schedule: the torch pipeline schedule.
         n_microbatches: micro-batches each batch is split into; the batch size must be a multiple of it.
         balance: layers per stage: ``None`` for equal counts, a list with one count per stage, or ``"auto"`` to
@@ -72,15 +97,6 @@ class PipelineStrategy(ClusterStrategy):
         stages_per_rank: stages each process runs; ``None`` picks 2 for interleaved and V-shaped schedules, else 1.
         trace_path: write the executed schedule of a few training steps as a Chrome trace (JSON) and a PNG timeline.
         trace_steps: training steps to trace (after one warm-up step).
-        timeout: seconds any collective or point-to-point transfer may wait before the run fails instead of hanging.
-        start_method: ``"popen"`` re-runs the script per rank; ``"spawn"``/``"fork"``/``"forkserver"`` use
-            multiprocessing.
-        process_group_backend: ``"gloo"``, ``"nccl"``, ...; ``None`` picks NCCL for CUDA and gloo otherwise.
-        accelerator: set by the Trainer.
-        parallel_devices: set by the Trainer.
-        cluster_environment: set by the Trainer, or :class:`~ds_lightning.environments.TFConfigEnvironment`.
-        checkpoint_io: set by the Trainer.
-        precision_plugin: set by the Trainer.
 
     Raises:
         ValueError: for any invalid option, naming the value and the fix.
@@ -91,6 +107,19 @@ class PipelineStrategy(ClusterStrategy):
 
     def __init__(
         self,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
+        process_group_backend: str | None = None,
+        timeout: float | timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        *,
         schedule: ScheduleName = "1F1B",
         n_microbatches: int = 4,
         balance: list[int] | Literal["auto"] | None = None,
@@ -100,14 +129,6 @@ class PipelineStrategy(ClusterStrategy):
         stages_per_rank: int | None = None,
         trace_path: str | None = None,
         trace_steps: int = 3,
-        timeout: float = 1800.0,
-        start_method: StartMethod = "popen",
-        process_group_backend: str | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
     ) -> None:
         self._spec = schedule_spec(schedule)
         self.schedule = canonical_name(schedule)
@@ -122,14 +143,21 @@ class PipelineStrategy(ClusterStrategy):
         stages_per_rank = resolve_stages_per_rank(self.schedule, stages_per_rank)
         check.integer("trace_steps", trace_steps, 1, "PipelineStrategy(trace_steps=3)")
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
+            precision_plugin,
+            ddp_comm_state,
+            ddp_comm_hook,
+            ddp_comm_wrapper,
+            model_averaging_period,
+            process_group_backend,
+            timeout,
+            start_method,
+        )
+        self._refuse_ddp_options(
+            "ds_pipeline averages stage gradients over its data-parallel group without torch's DDP"
         )
         self.n_microbatches = n_microbatches
         self.balance = balance
@@ -236,6 +264,12 @@ class PipelineStrategy(ClusterStrategy):
         stage_ids = self.layout.stage_indices(self.pipeline_rank, self._spec.style)
         self._param_names = [name for name, _ in module.named_parameters()]
         self._full = seq
+        if self.activation_checkpointing and self.schedule in _RECOMPUTE_TWICE:
+            rank_zero_warn(
+                f"ds_pipeline: activation_checkpointing under schedule={self.schedule!r} re-runs each checkpointed"
+                " forward up to 3 times per micro-batch (torch splits the backward in two passes): correct, but"
+                " slower than under '1F1B' or 'Interleaved1F1B'."
+            )
         stages = {s: StageModule([seq[i] for i in ranges[s]], self.activation_checkpointing) for s in stage_ids}
         assert self._groups is not None
         self._runtime = PipelineRuntime(

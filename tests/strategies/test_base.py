@@ -14,16 +14,25 @@ import pytest
 import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.accelerators import CPUAccelerator
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.constants import default_pg_timeout
 
-from ds_lightning import ClusterStrategy, MirroredStrategy, ParameterServerStrategy, TFConfigEnvironment, TFConfigError
+from ds_lightning import (
+    ClusterStrategy,
+    LayerSplitStrategy,
+    MirroredStrategy,
+    ParameterServerStrategy,
+    PipelineStrategy,
+    TFConfigEnvironment,
+    TFConfigError,
+)
 from ds_lightning.environments import TFConfig
 from ds_lightning.strategies.base import check_tf_config
 from tests.helpers.runner import REPO, worker_env
 
-DROP_INS = [ClusterStrategy, MirroredStrategy, ParameterServerStrategy]
+DROP_INS = [ClusterStrategy, MirroredStrategy, ParameterServerStrategy, PipelineStrategy]
+WITHOUT_DDP_WRAPPER = (ParameterServerStrategy, PipelineStrategy)
 
 
 def _params(cls: type) -> list[inspect.Parameter]:
@@ -51,7 +60,7 @@ def test_every_ddpstrategy_parameter_keeps_its_position_kind_and_default(cls):
     for mine, base in zip(ours, positional, strict=False):
         assert mine.default == base.default, mine.name
     # ds options only keyword-only after them, and **kwargs last (for torch's DDP) where the model goes into DDP.
-    wraps_ddp = cls is not ParameterServerStrategy
+    wraps_ddp = cls not in WITHOUT_DDP_WRAPPER
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(positional) : len(ours) - wraps_ddp])
     assert (ours[-1].kind is inspect.Parameter.VAR_KEYWORD) is wraps_ddp
 
@@ -86,6 +95,7 @@ def test_parameter_server_takes_the_ddp_positions_and_a_timedelta():
     assert ParameterServerStrategy().timeout_seconds == default_pg_timeout.total_seconds()
 
 
+@pytest.mark.parametrize("cls", WITHOUT_DDP_WRAPPER)
 @pytest.mark.parametrize(
     ("option", "value"),
     [
@@ -94,9 +104,35 @@ def test_parameter_server_takes_the_ddp_positions_and_a_timedelta():
         ("model_averaging_period", 4),
     ],
 )
-def test_parameter_server_refuses_what_only_torch_ddp_would_use(option, value):
-    with pytest.raises(ValueError, match=rf"got {option}=.*does not wrap the model in torch's DDP.*remove {option}"):
-        ParameterServerStrategy(**{option: value})
+def test_strategies_without_a_ddp_wrapper_refuse_what_only_torch_ddp_would_use(cls, option, value):
+    with pytest.raises(ValueError, match=rf"got {option}=.*(torch's DDP|not in DDP).*remove {option}"):
+        cls(**{option: value})
+
+
+def test_pipeline_takes_the_ddp_positions_and_a_timedelta():
+    accelerator = CPUAccelerator()
+    strategy = PipelineStrategy(accelerator, None, None, None, None, None, None, None, None, "gloo", 30, "spawn")
+    assert strategy.accelerator is accelerator and strategy.schedule == "1F1B"
+    assert strategy.process_group_backend == "gloo" and strategy._start_method == "spawn"
+    assert strategy._timeout == timedelta(seconds=30)
+    assert PipelineStrategy(timeout=timedelta(minutes=2))._timeout == timedelta(minutes=2)
+    options = [p.name for p in _params(PipelineStrategy) if p.kind is inspect.Parameter.KEYWORD_ONLY]
+    assert options[:2] == ["schedule", "n_microbatches"]
+
+
+def test_layer_split_keeps_single_device_strategys_positions():
+    theirs, ours = _params(SingleDeviceStrategy), _params(LayerSplitStrategy)
+    assert [p.name for p in ours[: len(theirs)]] == [p.name for p in theirs]
+    assert all(p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD for p in ours[: len(theirs)])
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in ours[len(theirs) :])
+    accelerator = CPUAccelerator()
+    strategy = LayerSplitStrategy("cpu", accelerator, devices=["cpu", "cpu"])
+    assert strategy.accelerator is accelerator and strategy.root_device == torch.device("cpu")
+
+
+def test_layer_split_refuses_a_device_that_is_not_the_first_stage():
+    with pytest.raises(ValueError, match=r"device='meta' must be the first stage's device, 'cpu'.*leave device unset"):
+        LayerSplitStrategy("meta", devices=["cpu", "cpu"])
 
 
 def test_parameter_server_takes_no_keyword_arguments_for_torch_ddp():
