@@ -138,7 +138,7 @@ def main(bench: Benchmark, argv: Sequence[str] | None = None) -> dict[str, Any]:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(opts).items() if k not in ("out", "render")}
     data: dict[str, Any] = {
         "benchmark": bench.name,
-        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": settings,
         "package": package,
         **meta,

@@ -4,16 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from ds_lightning import _validation as check
 from ds_lightning.parameter_server.push_compression import PUSH_COMPRESSIONS
 
 StalenessLR = Literal["none", "inverse"]
-
-
-def _check_optional_int(name: str, value: object, minimum: int, fix: str) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} is invalid: {fix}")
 
 
 def check_options(
@@ -32,24 +26,17 @@ def check_options(
         ValueError: for any option out of its range or not of its type.
 
     """
-    _check_optional_int("num_servers", num_servers, 1, "start at least one server, e.g. num_servers=1.")
-    _check_optional_int(
-        "max_staleness",
-        max_staleness,
-        0,
-        "use None (asynchronous), 0 (bulk synchronous) or k >= 1 (stale synchronous), e.g. max_staleness=4.",
+    example = "ParameterServerStrategy"
+    check.optional_integer("num_servers", num_servers, 1, f"{example}(num_servers=2)", "None means 1, or one per TF_CONFIG ps task")
+    check.optional_integer(
+        "max_staleness", max_staleness, 0, f"{example}(max_staleness=4)", "None: asynchronous; 0: bulk synchronous"
     )
-    if staleness_lr not in ("none", "inverse"):
-        raise ValueError(f"staleness_lr={staleness_lr!r} is unknown; use 'none' or 'inverse'.")
-    _check_optional_int("push_every", push_every, 1, "push at least every step, e.g. push_every=1.")
-    if push_every is None:
-        raise ValueError("push_every=None is invalid: pass an integer >= 1, e.g. push_every=1.")
-    if compression not in PUSH_COMPRESSIONS:
-        raise ValueError(f"compression={compression!r} is unknown; choose one of {list(PUSH_COMPRESSIONS)}.")
-    if isinstance(topk_ratio, bool) or not isinstance(topk_ratio, (int, float)) or not 0 < topk_ratio <= 1:
-        raise ValueError(f"topk_ratio={topk_ratio!r} must be in (0, 1], e.g. topk_ratio=0.01.")
-    _check_optional_int("max_updates", max_updates, 1, "use None or a positive number of server updates.")
-    _check_optional_int("min_shard_bytes", min_shard_bytes, 1, "use a positive size, e.g. 262144.")
+    check.choice("staleness_lr", staleness_lr, ("none", "inverse"))
+    check.integer("push_every", push_every, 1, f"{example}(push_every=1)")
+    check.choice("compression", compression, PUSH_COMPRESSIONS)
+    check.number("topk_ratio", topk_ratio, f"{example}(topk_ratio=0.01)", above=0, at_most=1)
+    check.optional_integer("max_updates", max_updates, 1, f"{example}(max_updates=1000)", "None: no budget")
+    check.integer("min_shard_bytes", min_shard_bytes, 1, f"{example}(min_shard_bytes=262144)")
 
 
 def check_no_validation_under_budget(max_updates: int | None, trainer: Any) -> None:
