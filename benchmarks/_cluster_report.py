@@ -135,7 +135,7 @@ def markdown(data: dict[str, Any]) -> list[str]:
             f" 64-{ps_hidden}-10, batch {BATCH} per worker, equal samples: ds_mirrored {data['ps_steps']} steps per"
             f" worker = {WORKERS * data['ps_steps'] * BATCH} samples, ds_parameter_server an update budget of the same"
             " samples, fast workers doing more of them). Samples/s: samples of both workers / (last step end - first"
-            " step start). Accuracy: rank 0's final parameters (under ds_parameter_server the last pulled ones).",
+            " step start). Accuracy: rank 0's parameters after fit (under ds_parameter_server the servers' last ones).",
             "",
             "| configuration | samples/s | vs ds_mirrored | final val acc (%) | acc vs ds_mirrored (points) | samples"
             " | steps w0 / w1 | median step w0 / w1 (ms) |",

@@ -162,7 +162,7 @@ def fit_one(spec: dict[str, Any], data: DigitsDataModule) -> None:
         record["final_sizes"] = list(balancer.plan.latest)
         record["estimate"] = balancer.plan.estimate
     if rank == 0:
-        # After fit the chief holds the final parameters (under ds_parameter_server, what its last pull returned).
+        # After fit the chief holds the final parameters (under ds_parameter_server, the servers' last ones).
         x, y = data.val_set.tensors
         model.eval()
         with torch.no_grad():
