@@ -13,12 +13,13 @@ from ds_lightning.strategies import (
     PipelineStrategy,
     available_strategies,
 )
-from ds_lightning.testing import ShapingUnsupportedError
+from ds_lightning.testing import CommandError, ShapingUnsupportedError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ClusterStrategy",
+    "CommandError",
     "LayerSplitStrategy",
     "MirroredStrategy",
     "ParameterServerStrategy",

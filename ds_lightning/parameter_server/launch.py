@@ -55,7 +55,7 @@ class LaunchedStrategy(Protocol):
         ...
 
 
-class ServingFinished(Exception):
+class _ServingFinished(Exception):
     """Raised by a server's ``setup`` once it has served, to leave ``Trainer.fit`` without training."""
 
 
@@ -135,7 +135,7 @@ class ServerLauncher(_Launcher):
             bound.arguments["ckpt_path"] = None  # the chief sends the checkpoint's state; it may be on another host
         try:
             function(*bound.args, **bound.kwargs)
-        except ServingFinished:
+        except _ServingFinished:
             # Done, and torn down. Leave now: letting the interpreter finalise gloo's threads aborted the process
             # ("terminate called without an active exception") in about half the runs, and the rest of the user's
             # script (after fit) is the workers' to run, not a server's.

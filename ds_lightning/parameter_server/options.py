@@ -27,7 +27,9 @@ def check_options(
 
     """
     example = "ParameterServerStrategy"
-    check.optional_integer("num_servers", num_servers, 1, f"{example}(num_servers=2)", "None means 1, or one per TF_CONFIG ps task")
+    check.optional_integer(
+        "num_servers", num_servers, 1, f"{example}(num_servers=2)", "None means 1, or one per TF_CONFIG ps task"
+    )
     check.optional_integer(
         "max_staleness", max_staleness, 0, f"{example}(max_staleness=4)", "None: asynchronous; 0: bulk synchronous"
     )

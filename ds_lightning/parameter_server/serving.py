@@ -9,7 +9,7 @@ from typing import Any, NoReturn
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ds_lightning.parameter_server.launch import ServingFinished
+from ds_lightning.parameter_server.launch import _ServingFinished
 from ds_lightning.parameter_server.optimizer_shard import ShardOptimizer
 from ds_lightning.parameter_server.server import ParameterServer, SchedulerSlot
 from ds_lightning.parameter_server.sharding import ShardPlan
@@ -32,7 +32,7 @@ def serve_shard(
     """Serve server ``server_index``'s shard of ``trainable`` until every worker finished or was lost.
 
     Raises:
-        ServingFinished: when done, for the launcher to end the process.
+        _ServingFinished: when done, for the launcher to end the process.
         RuntimeError: when every worker was lost before finishing.
 
     """
@@ -59,4 +59,4 @@ def serve_shard(
             f"parameter server {server_index}: every worker was lost ({report.lost}) before finishing;"
             " see the workers' errors."
         )
-    raise ServingFinished
+    raise _ServingFinished

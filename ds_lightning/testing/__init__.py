@@ -6,6 +6,7 @@ cluster, a cut link or a slow link can be tried without a second machine. ds_lig
 it too.
 """
 
+from ds_lightning.testing._iproute import CommandError
 from ds_lightning.testing.netns import (
     Cluster,
     Host,
@@ -17,6 +18,7 @@ from ds_lightning.testing.processes import free_port, worker_env
 
 __all__ = [
     "Cluster",
+    "CommandError",
     "Host",
     "ShapingUnsupportedError",
     "free_port",
