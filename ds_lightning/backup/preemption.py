@@ -54,10 +54,11 @@ class PreemptionWatch:
             signal.signal(sig, self._handle)
 
     def uninstall(self) -> None:
-        """Put the previous handlers back and cancel the deadline."""
-        for sig, previous in self._previous.items():
-            if threading.current_thread() is threading.main_thread():
-                signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+        """Put the previous handlers back where ours are still installed, and cancel the deadline."""
+        if threading.current_thread() is threading.main_thread():
+            for sig, previous in self._previous.items():
+                if signal.getsignal(sig) == self._handle:  # else whoever replaced ours has restored its own
+                    signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
         self._previous.clear()
         self.cancel_deadline()
 

@@ -145,7 +145,6 @@ class BackupAndRestore(Callback):
             # here makes the restore that follows use it (docs/lightning-private-api.md).
             trainer._checkpoint_connector.resume_start(str(latest))
             self.restored_from = str(latest)
-        self._watch.install()
 
     @override
     def on_load_checkpoint(
@@ -163,6 +162,9 @@ class BackupAndRestore(Callback):
         if not self._active:
             return
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
+        # Here, not in setup: Lightning installs its SIGTERM handler after setup, and that handler broadcasts inside
+        # the signal handler (a collective the other ranks never join when the signal reaches one rank).
+        self._watch.install()
         if self.restored_from is not None and trainer.ckpt_path not in (None, self.restored_from):
             rank_zero_warn(
                 f"fit(ckpt_path={trainer.ckpt_path!r}) was restored instead of the backup {self.restored_from}; drop"

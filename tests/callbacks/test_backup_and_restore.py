@@ -177,3 +177,23 @@ def test_bulk_synchronous_parameter_server_resumes_exactly_also_onto_another_ser
 
     _resume_case(tmp_path, spec(servers_before), spec(servers_after), die_at_step=5)
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
+
+
+def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_path: Path) -> None:
+    """Asynchronous: not exact, but the restart loses at most the steps since the last backup and trains as well."""
+    spec = {
+        "strategy": "ds_parameter_server",
+        "devices": 2,
+        "max_epochs": 4,
+        "model": {"lr": 0.05},
+        "strategy_kwargs": {"num_servers": 1, "timeout": 20},
+        "backup": {"every_n_train_steps": 3, "async_save": False},
+    }
+    reference = train(tmp_path, "ref", spec)
+    lost = train(tmp_path, "cut", {**spec, "kill_server_at_step": 8}, expect=1)
+    assert "Lost parameter server 0" in lost["output"]
+    resumed = train(tmp_path, "cut", {**spec, "attempt": 1})
+    restored_step = int(resumed["restored_from"].rsplit("step", 1)[1].split(".")[0])
+    assert 8 - 3 <= restored_step <= 8  # no more lost than the steps since the last backup
+    assert resumed["global_step"] >= 24  # the chief trained its 4 epochs (an asynchronous worker may take more)
+    assert abs(resumed["accuracy"] - reference["accuracy"]) <= 0.02

@@ -4,8 +4,9 @@ Usage: ``python -m tests.helpers.backup_runs SPEC.json``. Every rank appends the
 to ``{out}.ids.rank{r}.jsonl`` (epoch, the optimizer step the batch belongs to, ids; each run starts with a mark
 naming its ``attempt``),
 flushed per batch so a killed run
-leaves its log. ``die_at_step`` kills every rank (``os._exit``) when that optimizer step starts, as a crash would; a
-run that ends writes ``{out}.ckpt`` (consolidated by the strategy) and ``{out}.json``.
+leaves its log. ``die_at_step`` kills every rank (``os._exit``) when that optimizer step starts, as a crash would;
+``kill_server_at_step`` has the chief SIGKILL parameter server 0. A run that ends writes ``{out}.ckpt`` (consolidated
+by the strategy) and ``{out}.json`` (steps, the backup it resumed from, held-out accuracy).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +31,12 @@ FEATURES, CLASSES = 12, 3
 DIED = 17  # the exit code of a rank killed by die_at_step
 
 
-def make_data(n: int) -> TensorDataset:
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(n, FEATURES, generator=g)
-    return TensorDataset(x, (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(1))
+_TEACHER = torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(1))
+
+
+def make_data(n: int, seed: int = 1) -> TensorDataset:
+    x = torch.randn(n, FEATURES, generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(x, (x @ _TEACHER).argmax(1))
 
 
 class Net(pl.LightningModule):
@@ -68,20 +72,26 @@ class Net(pl.LightningModule):
 class RecordIds(Callback):
     """Log each batch's sample ids (found by row) and die at ``die_at_step``."""
 
-    def __init__(self, data: TensorDataset, out: str, die_at_step: int | None, attempt: int) -> None:
+    def __init__(self, data: TensorDataset, spec: dict[str, Any]) -> None:
         self.row_ids = {tuple(row.tolist()): i for i, row in enumerate(data.tensors[0])}
-        self.out, self.die_at_step, self.attempt = out, die_at_step, attempt
+        self.out, self.die_at_step, self.attempt = spec["out"], spec.get("die_at_step"), spec.get("attempt", 0)
+        self.step_sleep = spec.get("step_sleep", 0.0)  # seconds per batch: room for a signal at a random moment
+        self.kill_server_at_step = spec.get("kill_server_at_step")
         self._file: Any = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._file = open(f"{self.out}.ids.rank{trainer.global_rank}.jsonl", "a")  # noqa: SIM115 - closed at the end
         mark = {"start": trainer.global_step, "attempt": self.attempt}  # each run's lines follow its own mark
         self._file.write(json.dumps(mark) + "\n")
+        Path(f"{self.out}.pid.rank{trainer.global_rank}").write_text(str(os.getpid()))  # for signals from the test
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         if trainer.global_step == self.die_at_step:
             self._file.close()
             os._exit(DIED)
+        if trainer.global_step == self.kill_server_at_step and trainer.is_global_zero:
+            trainer.strategy.launcher.servers[0].kill()  # type: ignore[union-attr]
+        time.sleep(self.step_sleep)
         ids = [self.row_ids[tuple(row.tolist())] for row in batch[0].cpu()]
         self._file.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step, "ids": ids}) + "\n")
         self._file.flush()
@@ -96,7 +106,7 @@ def main(spec_path: str) -> None:
     pl.seed_everything(spec.get("seed", 7), verbose=False)
     out = spec["out"]
     data = make_data(spec.get("n", 96))
-    callbacks: list[Callback] = [RecordIds(data, out, spec.get("die_at_step"), spec.get("attempt", 0))]
+    callbacks: list[Callback] = [RecordIds(data, spec)]
     if spec.get("global_batch"):
         callbacks.append(GradientAccumulation(global_batch_size=spec["global_batch"]))
     if spec.get("lr_scaling"):
@@ -133,7 +143,10 @@ def main(spec_path: str) -> None:
     trainer.save_checkpoint(f"{out}.ckpt")
     if trainer.global_rank == 0:
         backup = next(c for c in trainer.callbacks if isinstance(c, BackupAndRestore))
-        summary = {"global_step": trainer.global_step, "restored_from": backup.restored_from}
+        x, y = make_data(4000, seed=2).tensors  # held-out samples: accuracy in steps of 0.025 points
+        with torch.no_grad():
+            accuracy = (model(x).argmax(1) == y).float().mean().item()
+        summary = {"global_step": trainer.global_step, "restored_from": backup.restored_from, "accuracy": accuracy}
         Path(f"{out}.json").write_text(json.dumps(summary))
 
 

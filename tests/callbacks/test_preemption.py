@@ -1,0 +1,97 @@
+"""Preemption: SIGTERM or SIGUSR1 at a random moment, to any one rank, makes every rank back up at one agreed step
+and exit with the configured code; the run restarted from those backups ends exactly as the uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ds_lightning.backup import BackupStore
+from tests.callbacks.test_backup_and_restore import (
+    N,
+    assert_same_params,
+    final_params,
+    samples_per_epoch,
+    train,
+)
+from tests.helpers.runner import REPO, worker_env
+
+SIGNALS = 20
+EXIT_CODE = 42
+SPEC: dict[str, Any] = {
+    "devices": 2,
+    "max_epochs": 12,  # 72 steps: room for 20 interruptions of a step or more each
+    "step_sleep": 0.05,
+    "backup": {"every_n_train_steps": None, "exit_code": EXIT_CODE, "grace_seconds": 60},
+}
+
+
+def _batches_logged(out: Path, attempt: int) -> int:
+    log = Path(f"{out}.ids.rank0.jsonl")
+    if not log.exists():
+        return 0
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    marks = [i for i, entry in enumerate(lines) if entry.get("attempt") == attempt]
+    return len(lines) - marks[-1] - 1 if marks else 0
+
+
+def _interrupt(tmp_path: Path, attempt: int, rng: random.Random) -> tuple[int, str]:
+    """Start attempt ``attempt``, signal one rank at a random moment once it trains; return its exit code."""
+    out = tmp_path / "cut"
+    spec = {"out": str(out), "n": N, "batch_size": 8, "backup_dir": str(tmp_path / "backups"), **SPEC}
+    path = tmp_path / f"attempt{attempt}.json"
+    path.write_text(json.dumps({**spec, "attempt": attempt}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.helpers.backup_runs", str(path)],
+        cwd=REPO,
+        env=worker_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _batches_logged(out, attempt) < 1:
+            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert time.monotonic() < deadline, "the attempt never started training"
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.15))
+        rank = rng.randrange(2)  # Kubernetes signals one container's PID 1; SLURM may reach any rank first
+        sig = rng.choice([signal.SIGTERM, signal.SIGUSR1])
+        os.kill(int(Path(f"{out}.pid.rank{rank}").read_text()), sig)
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    return proc.returncode, output
+
+
+@pytest.mark.timeout(1200)  # 21 launches of 2 processes, each several seconds of imports alone
+def test_signals_at_twenty_random_moments_each_leave_a_backup_and_the_run_ends_exact(tmp_path: Path) -> None:
+    train(tmp_path, "ref", SPEC)
+    rng = random.Random(14)
+    store = BackupStore(tmp_path / "backups", keep=2)
+    steps = []
+    for attempt in range(SIGNALS):
+        code, output = _interrupt(tmp_path, attempt, rng)
+        assert code == EXIT_CODE, f"attempt {attempt} exited with {code}:\n{output[-4000:]}"
+        latest = store.latest()
+        assert latest is not None
+        steps.append(torch.load(latest, weights_only=False)["global_step"])
+        assert len(steps) == 1 or steps[-1] > steps[-2], f"attempt {attempt} backed up no new step: {steps}"
+    assert steps[-1] < 72, "the interruptions reached the end of training; lengthen the run"
+    resumed = train(tmp_path, "cut", {**SPEC, "backup_dir": str(tmp_path / "backups"), "attempt": SIGNALS})
+    assert resumed["restored_from"] == str(store.latest())
+    assert resumed["global_step"] == 72
+    assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
+    assert samples_per_epoch(tmp_path, "cut") == {epoch: list(range(N)) for epoch in range(12)}
