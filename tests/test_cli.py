@@ -180,6 +180,7 @@ def _cli_calls(calls: list[list[str]]) -> list[tuple[str, str]]:
 
 EXPECTED_CONFIGS = {
     "callbacks.yaml": "class_path: ds_lightning.callbacks.DynamicLoadBalancer",
+    "fault_tolerant.yaml": "class_path: ds_lightning.callbacks.BackupAndRestore",
     "mirrored.yaml": "strategy: ds_mirrored",
     "mirrored_powersgd.yaml": "class_path: ds_lightning.strategies.MirroredStrategy",
     "model_parallel.yaml": "class_path: ds_lightning.strategies.LayerSplitStrategy",

@@ -17,7 +17,7 @@ import torch
 
 from ds_lightning.callbacks import BackupAndRestore
 from tests.helpers.backup_runs import DIED
-from tests.helpers.runner import run_module
+from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args, run_module
 
 N = 96  # samples per epoch
 
@@ -197,3 +197,16 @@ def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_pat
     assert 8 - 3 <= restored_step <= 8  # no more lost than the steps since the last backup
     assert resumed["global_step"] >= 24  # the chief trained its 4 epochs (an asynchronous worker may take more)
     assert abs(resumed["accuracy"] - reference["accuracy"]) <= 0.02
+
+
+def test_the_fault_tolerant_example_resumes_through_ds_train(tmp_path: Path) -> None:
+    """BackupAndRestore from YAML under trainer.callbacks: a second ds-train run goes on from the first one's backup."""
+    config = tmp_path / "fault_tolerant.yaml"
+    text = (CONFIGS / "fault_tolerant.yaml").read_text()
+    config.write_text(text.replace("backup_dir: runs/fault_tolerant/backups", f"backup_dir: {tmp_path / 'b'}"))
+    args = ["fit", f"--config={config}", *quiet_trainer_args(tmp_path)]
+    first = ds_train([*args, "--trainer.max_steps=20"])
+    assert "resuming from" not in first.output
+    assert (tmp_path / "b" / "backup-step000000020.ckpt").exists()
+    second = ds_train([*args, "--trainer.max_steps=25"])
+    assert "BackupAndRestore: resumed at step 20" in second.output, second.output[-3000:]
