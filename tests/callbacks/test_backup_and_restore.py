@@ -210,3 +210,14 @@ def test_the_fault_tolerant_example_resumes_through_ds_train(tmp_path: Path) -> 
     assert (tmp_path / "b" / "backup-step000000020.ckpt").exists()
     second = ds_train([*args, "--trainer.max_steps=25"])
     assert "BackupAndRestore: resumed at step 20" in second.output, second.output[-3000:]
+
+
+def test_layer_split_resumes_exactly(tmp_path: Path) -> None:
+    spec = {
+        "strategy": "ds_model_parallel",
+        "devices": 1,
+        "batch_size": 16,
+        "backup": {"every_n_train_steps": 2, "async_save": False},
+    }
+    _resume_case(tmp_path, spec, spec, die_at_step=5)
+    assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
