@@ -221,3 +221,14 @@ def test_layer_split_resumes_exactly(tmp_path: Path) -> None:
     }
     _resume_case(tmp_path, spec, spec, die_at_step=5)
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
+
+
+def test_powersgd_error_feedback_comes_back_with_the_backup(tmp_path: Path) -> None:
+    """PowerSGD's per-rank memory is part of the backup: without it the resumed run would drift from the reference."""
+    spec = {
+        "devices": 2,
+        "strategy_kwargs": {"gradient_compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
+        "backup": {"every_n_train_steps": 2, "async_save": False},
+    }
+    _resume_case(tmp_path, {**spec, "strategy": "ds_mirrored"}, {**spec, "strategy": "ds_mirrored"}, die_at_step=5)
+    assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
