@@ -8,14 +8,18 @@ resumes from the last backup:
 - with the host gone for good (``--nnodes=1:2``) the first host goes on alone, at half the world size, with the global
   batch kept by ``GradientAccumulation(global_batch_size=...)``.
 
-Either way the job ends with the parameters of the same run uninterrupted (1e-5). The rendezvous host is the one that
+Killing only the second host's trainers (its agent lives on and restarts them) is covered too, under ds_mirrored.
+Every time the job ends with the parameters of the same run uninterrupted (1e-5). The rendezvous host is the one that
 survives: torchrun's c10d store lives in its agent (see docs/elastic.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -34,6 +38,7 @@ MAX_STEPS = 24
 BACKUP_EVERY = 2
 PER_DEVICE_BATCH = 8
 RUN_TIMEOUT = 150.0
+LAST_CALL_S = 8.0
 # The killed host's trainers are gone at once; the survivors' next collective fails on the closed connection, and
 # the timeout only bounds a collective that would otherwise wait for a peer that never answers.
 COLLECTIVE_TIMEOUT_S = 30
@@ -147,17 +152,37 @@ def _wait_for_step(root: Path, step: int, nodes: list[ElasticNode], timeout: flo
 def _start(cluster: Cluster, root: Path, config: Path, port: int, which: list[int]) -> list[ElasticNode]:
     first = cluster.hosts[0]
     args = ["-m", "ds_lightning.cli", "fit", f"--config={config}"]
-    # The second host's agent first: it waits for the store, so the first round has both hosts.
+    # The second host's agent first: it waits for the store, so the first round has both hosts. A round waits
+    # LAST_CALL_S for a node that comes back before it goes on with fewer.
     return [
         start_node(
-            h, (first.address, port), args, root / f"torchrun{i}.log", rdzv_host=i == 0, cwd=REPO, pythonpath=[REPO]
+            h,
+            (first.address, port),
+            args,
+            root / f"torchrun{i}.log",
+            rdzv_host=i == 0,
+            cwd=REPO,
+            pythonpath=[REPO],
+            last_call_s=LAST_CALL_S,
         )
         for i, h in sorted(((i, cluster.hosts[i]) for i in which), reverse=True)
     ]
 
 
-def _elastic_run(cluster_factory, tmp_path: Path, strategy: str, host_comes_back: bool) -> tuple[dict, dict]:
-    """Kills the second host at a random step, starts it again or not, and returns (final, uninterrupted) params."""
+def _kill_trainers(cluster: Cluster, agent: ElasticNode) -> None:
+    """SIGKILLs every process in the agent's host except the agent itself (it sees its workers fail)."""
+    for pid in cluster.pids(agent.host):
+        if pid != agent.proc.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _elastic_run(cluster_factory, tmp_path: Path, strategy: str, fault: str) -> tuple[dict, dict]:
+    """Starts the job, hits the second host at a random step and returns (final, uninterrupted) parameters.
+
+    ``fault``: ``"host back"`` kills its agent and trainers and starts its torchrun again, ``"host gone"`` kills them
+    for good, ``"trainers"`` kills its trainers only (its agent restarts them).
+    """
     expected = _uninterrupted(tmp_path, strategy)
     cluster: Cluster = cluster_factory(2)
     root = tmp_path / "elastic"
@@ -166,9 +191,13 @@ def _elastic_run(cluster_factory, tmp_path: Path, strategy: str, host_comes_back
     nodes = _start(cluster, root, config, port, [0, 1])
     kill_at = random.randint(BACKUP_EVERY + 1, MAX_STEPS - 4)
     _wait_for_step(root, kill_at, nodes)
-    cluster.kill(cluster.hosts[1])  # its agent and its trainers, as if the machine lost power
-    running = [node for node in nodes if node.host is cluster.hosts[0]]
-    if host_comes_back:
+    running = nodes
+    if fault == "trainers":
+        _kill_trainers(cluster, next(n for n in nodes if n.host is cluster.hosts[1]))
+    else:
+        cluster.kill(cluster.hosts[1])  # its agent and its trainers, as if the machine lost power
+        running = [node for node in nodes if node.host is cluster.hosts[0]]
+    if fault == "host back":
         running += _start(cluster, root, config, port, [1])
     wait_all(running, RUN_TIMEOUT)
     for node in running:
@@ -186,7 +215,7 @@ def _whole_run_batches(strategy: str, world_size: int) -> int:
 def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrupted(
     cluster_factory, tmp_path, strategy
 ):
-    final, expected = _elastic_run(cluster_factory, tmp_path, strategy, host_comes_back=True)
+    final, expected = _elastic_run(cluster_factory, tmp_path, strategy, fault="host back")
     assert final["world_size"] == 2
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches(strategy, 2), "the restarted group trained from scratch"
@@ -197,8 +226,16 @@ def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrup
 def test_a_host_lost_for_good_leaves_the_survivors_to_finish_at_half_the_world_size_as_if_uninterrupted(
     cluster_factory, tmp_path, strategy
 ):
-    final, expected = _elastic_run(cluster_factory, tmp_path, strategy, host_comes_back=False)
+    final, expected = _elastic_run(cluster_factory, tmp_path, strategy, fault="host gone")
     assert final["world_size"] == 1
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches(strategy, 1), "the survivors trained from scratch"
+    torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+def test_killed_trainers_are_restarted_by_their_agent_and_the_run_ends_as_if_uninterrupted(cluster_factory, tmp_path):
+    final, expected = _elastic_run(cluster_factory, tmp_path, "ds_mirrored", fault="trainers")
+    assert final["world_size"] == 2
+    assert final["global_step"] == MAX_STEPS
+    assert final["batches_this_run"] < _whole_run_batches("ds_mirrored", 2), "the restarted group trained from scratch"
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
