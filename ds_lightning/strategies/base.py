@@ -31,6 +31,7 @@ from ds_lightning.data.resumable import DataCursor, position_loader
 from ds_lightning.environments._interfaces import pin_socket_interfaces
 from ds_lightning.environments.rendezvous import rendezvous_store
 from ds_lightning.environments.tf_config import TFConfig, TFConfigEnvironment, TFConfigError
+from ds_lightning.environments.torchelastic import elastic_num_nodes, pin_elastic_interfaces
 
 __all__ = ["BACKENDS", "ClusterStrategy", "StartMethod"]
 
@@ -289,8 +290,9 @@ class ClusterStrategy(DDPStrategy):
     def adopt_cluster(self) -> TFConfig | None:
         """Adopt ``TF_CONFIG``: set the environment and ``num_nodes`` from it after checking that it fits.
 
-        Called by :meth:`set_world_ranks`; safe to call again. A subclass with more to check (the number of servers)
-        calls this first and reads the result.
+        Under torchrun, ``num_nodes`` is taken from its current round instead (see
+        :mod:`ds_lightning.environments.torchelastic`). Called by :meth:`set_world_ranks`; safe to call again. A
+        subclass with more to check (the number of servers) calls this first and reads the result.
 
         Returns:
             The adopted config, or ``None`` when the run does not use ``TF_CONFIG``.
@@ -303,6 +305,10 @@ class ClusterStrategy(DDPStrategy):
         self.cluster_environment, self._num_nodes = adopt_tf_config(
             self.strategy_name, self.cluster_environment, self._num_nodes, self.serves_parameters
         )
+        # Under torchrun the rendezvous round decides the node count (elastic: it may shrink or grow on a restart).
+        nodes = elastic_num_nodes(self.cluster_environment, self.num_processes)
+        if nodes is not None:
+            self._num_nodes = nodes
         return self._tf_config
 
     @override
@@ -353,6 +359,8 @@ class ClusterStrategy(DDPStrategy):
         host = self.own_host
         if host is not None:
             pin_socket_interfaces(host)
+        else:
+            pin_elastic_interfaces(self.cluster_environment)
         super().setup_environment()
         destroy_process_group_at_exit(self._get_process_group_backend())
 

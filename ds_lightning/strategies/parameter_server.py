@@ -37,7 +37,7 @@ from ds_lightning.parameter_server.checkpoint import (
 )
 from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.collectives import LiveWorkerCollectives
-from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher
+from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher, refuse_torchrun
 from ds_lightning.parameter_server.optimizer_shard import check_server_optimizer, check_trainable_model
 from ds_lightning.parameter_server.options import StalenessLR, check_no_validation_under_budget, check_options
 from ds_lightning.parameter_server.push_compression import PushCompressionName
@@ -193,6 +193,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
     @override
     def set_world_ranks(self) -> None:
         config = self.adopt_cluster()
+        refuse_torchrun(self.cluster_environment)
         if config is not None:
             self._adopt_servers(config)
         elif self._num_nodes > 1:

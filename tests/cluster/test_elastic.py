@@ -1,0 +1,241 @@
+"""Elastic restarts on torchrun: two namespace hosts, each a torchrun agent, c10d rendezvous on the first.
+
+Every process on the second host (its torchrun agent and its trainers) is killed with SIGKILL at a random step. The
+first host's trainers then fail in their next collective, its agent restarts the group, and ``BackupAndRestore``
+resumes from the last backup:
+
+- with the host back (its torchrun started again) the group is two hosts again;
+- with the host gone for good (``--nnodes=1:2``) the first host goes on alone, at half the world size, with the global
+  batch kept by ``GradientAccumulation(global_batch_size=...)``.
+
+Killing only the second host's trainers (its agent lives on and restarts them) is covered too, under ds_mirrored.
+Every time the job ends with the parameters of the same run uninterrupted (1e-5). The rendezvous host is the one that
+survives: torchrun's c10d store lives in its agent (see docs/elastic.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_lightning.testing import free_port
+from ds_lightning.testing.netns import Cluster
+from ds_lightning.testing.torchrun import ElasticNode, start_node, wait_all
+from tests.helpers.runner import REPO, ds_train
+
+pytestmark = pytest.mark.multiprocess
+
+GLOBAL_BATCH = 32
+MAX_STEPS = 24
+BACKUP_EVERY = 2
+PER_DEVICE_BATCH = 8
+RUN_TIMEOUT = 150.0
+LAST_CALL_S = 8.0
+# The killed host's trainers are gone at once; the survivors' next collective fails on the closed connection, and
+# the timeout only bounds a collective that would otherwise wait for a peer that never answers.
+COLLECTIVE_TIMEOUT_S = 30
+
+STRATEGIES = {
+    "ds_mirrored": f"""
+  strategy:
+    class_path: ds_lightning.strategies.MirroredStrategy
+    init_args:
+      timeout: {COLLECTIVE_TIMEOUT_S}
+""",
+    # One stage per process: two stages on two hosts, one stage once a host is lost.
+    "ds_pipeline": f"""
+  strategy:
+    class_path: ds_lightning.strategies.PipelineStrategy
+    init_args:
+      schedule: 1F1B
+      n_microbatches: 2
+      trace_path: null
+      timeout: {COLLECTIVE_TIMEOUT_S}
+""",
+}
+
+
+def _config(root: Path, strategy: str) -> Path:
+    """A digits run of MAX_STEPS optimizer steps with the global batch fixed, backed up every BACKUP_EVERY steps."""
+    text = f"""seed_everything: 0
+trainer:
+  accelerator: cpu
+  devices: 1
+{STRATEGIES[strategy]}
+  max_steps: {MAX_STEPS}
+  limit_val_batches: 0
+  num_sanity_val_steps: 0
+  enable_progress_bar: false
+  enable_model_summary: false
+  enable_checkpointing: false
+  logger: false
+  default_root_dir: {root}
+  callbacks:
+    - class_path: ds_lightning.callbacks.GradientAccumulation
+      init_args:
+        global_batch_size: {GLOBAL_BATCH}
+    - class_path: ds_lightning.callbacks.BackupAndRestore
+      init_args:
+        backup_dir: {root / "backups"}
+        every_n_train_steps: {BACKUP_EVERY}
+        async_save: false
+    - class_path: tests.helpers.callbacks.SaveParams
+      init_args:
+        path: {root / "final"}
+    - class_path: tests.helpers.callbacks.Heartbeat
+      init_args:
+        path: {root / "heartbeat"}
+        delay_s: 0.1
+model:
+  class_path: ds_lightning.demos.DigitsClassifier
+  init_args:
+    hidden_sizes: [16]
+    lr: 0.05
+data:
+  class_path: ds_lightning.demos.DigitsDataModule
+  init_args:
+    batch_size: {PER_DEVICE_BATCH}
+"""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / "config.yaml"
+    path.write_text(text)
+    return path
+
+
+def _final(root: Path) -> dict:
+    """Rank 0's final record, its ``state_dict`` merged with every other rank's (a pipeline stage holds a part)."""
+    records = []
+    for rank in itertools.count():
+        path = root / f"final.rank{rank}.pt"
+        if rank > 0 and rank >= records[0]["world_size"]:
+            break
+        assert path.exists(), f"rank {rank} wrote no final parameters under {root}"
+        records.append(torch.load(path, weights_only=True))
+    final = records[0]
+    for record in records[1:]:
+        final["state_dict"].update(record["state_dict"])
+    return final
+
+
+def _uninterrupted(tmp_path: Path, strategy: str) -> dict:
+    """The same run on 2 processes of one machine, no torchrun, no fault: the parameters to end with."""
+    root = tmp_path / "reference"
+    ds_train(["fit", f"--config={_config(root, strategy)}", "--trainer.devices=2"], timeout=RUN_TIMEOUT)
+    return _final(root)
+
+
+def _step(root: Path) -> int:
+    path = root / "heartbeat.rank0"
+    try:
+        return int(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return -1
+
+
+def _wait_for_step(root: Path, step: int, nodes: list[ElasticNode], timeout: float = RUN_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while _step(root) < step:
+        for node in nodes:
+            assert node.proc.poll() is None, f"{node} exited with {node.proc.returncode} early:\n{node.output[-4000:]}"
+        assert time.monotonic() < deadline, f"rank 0 did not reach step {step} in {timeout} s"
+        time.sleep(0.05)
+
+
+def _start(cluster: Cluster, root: Path, config: Path, port: int, which: list[int]) -> list[ElasticNode]:
+    first = cluster.hosts[0]
+    args = ["-m", "ds_lightning.cli", "fit", f"--config={config}"]
+    # The second host's agent first: it waits for the store, so the first round has both hosts. A round waits
+    # LAST_CALL_S for a node that comes back before it goes on with fewer.
+    return [
+        start_node(
+            h,
+            (first.address, port),
+            args,
+            root / f"torchrun{i}.log",
+            rdzv_host=i == 0,
+            cwd=REPO,
+            pythonpath=[REPO],
+            last_call_s=LAST_CALL_S,
+        )
+        for i, h in sorted(((i, cluster.hosts[i]) for i in which), reverse=True)
+    ]
+
+
+def _kill_trainers(cluster: Cluster, agent: ElasticNode) -> None:
+    """SIGKILLs every process in the agent's host except the agent itself (it sees its workers fail)."""
+    for pid in cluster.pids(agent.host):
+        if pid != agent.proc.pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _elastic_run(cluster_factory, tmp_path: Path, strategy: str, fault: str) -> tuple[dict, dict]:
+    """Starts the job, hits the second host at a random step and returns (final, uninterrupted) parameters.
+
+    ``fault``: ``"host back"`` kills its agent and trainers and starts its torchrun again, ``"host gone"`` kills them
+    for good, ``"trainers"`` kills its trainers only (its agent restarts them).
+    """
+    expected = _uninterrupted(tmp_path, strategy)
+    cluster: Cluster = cluster_factory(2)
+    root = tmp_path / "elastic"
+    config = _config(root, strategy)
+    port = free_port()
+    nodes = _start(cluster, root, config, port, [0, 1])
+    kill_at = random.randint(BACKUP_EVERY + 1, MAX_STEPS - 4)
+    _wait_for_step(root, kill_at, nodes)
+    running = nodes
+    if fault == "trainers":
+        _kill_trainers(cluster, next(n for n in nodes if n.host is cluster.hosts[1]))
+    else:
+        cluster.kill(cluster.hosts[1])  # its agent and its trainers, as if the machine lost power
+        running = [node for node in nodes if node.host is cluster.hosts[0]]
+    if fault == "host back":
+        running += _start(cluster, root, config, port, [1])
+    wait_all(running, RUN_TIMEOUT)
+    for node in running:
+        assert node.proc.returncode == 0, f"{node} exited with {node.proc.returncode}:\n{node.output[-6000:]}"
+    return _final(root), expected
+
+
+def _whole_run_batches(strategy: str, world_size: int) -> int:
+    """The micro-batches one rank runs for the whole job at ``world_size`` (global batch kept)."""
+    replicas = 1 if strategy == "ds_pipeline" else world_size  # a pipeline's processes are stages of one replica
+    return MAX_STEPS * GLOBAL_BATCH // (PER_DEVICE_BATCH * replicas)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrupted(
+    cluster_factory, tmp_path, strategy
+):
+    final, expected = _elastic_run(cluster_factory, tmp_path, strategy, fault="host back")
+    assert final["world_size"] == 2
+    assert final["global_step"] == MAX_STEPS
+    assert final["batches_this_run"] < _whole_run_batches(strategy, 2), "the restarted group trained from scratch"
+    torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_a_host_lost_for_good_leaves_the_survivors_to_finish_at_half_the_world_size_as_if_uninterrupted(
+    cluster_factory, tmp_path, strategy
+):
+    final, expected = _elastic_run(cluster_factory, tmp_path, strategy, fault="host gone")
+    assert final["world_size"] == 1
+    assert final["global_step"] == MAX_STEPS
+    assert final["batches_this_run"] < _whole_run_batches(strategy, 1), "the survivors trained from scratch"
+    torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+def test_killed_trainers_are_restarted_by_their_agent_and_the_run_ends_as_if_uninterrupted(cluster_factory, tmp_path):
+    final, expected = _elastic_run(cluster_factory, tmp_path, "ds_mirrored", fault="trainers")
+    assert final["world_size"] == 2
+    assert final["global_step"] == MAX_STEPS
+    assert final["batches_this_run"] < _whole_run_batches("ds_mirrored", 2), "the restarted group trained from scratch"
+    torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
