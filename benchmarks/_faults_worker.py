@@ -77,9 +77,10 @@ class Stamps(Callback):
         with self.path.open("a") as f:  # one write per line: a kill leaves whole lines behind
             f.write(json.dumps(line) + "\n")
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The process group is up; BackupAndRestore's own setup (which reads the backup) runs after this one.
         self._note(trainer, "process_start", t_process=PROCESS_START, t_imported=IMPORTED)
-        self._note(trainer, "fit_start")
+        self._note(trainer, "setup")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.first_step = trainer.global_step
@@ -165,6 +166,7 @@ def main(spec_path: str) -> None:
         "median_step_ms": statistics.median(timed) if timed else None,
         "max_step_ms": max(timed) if timed else None,
         "backups": sorted(p.name for p in Path(spec["backup_dir"]).glob("*.ckpt")) if backup else [],
+        "backups_taken": getattr(callbacks[-1], "backups_taken", None) if backup else 0,
     }
     Path(spec["out_dir"], "result.json").write_text(json.dumps(record))
 

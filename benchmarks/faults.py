@@ -65,8 +65,8 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
     Returns:
         ``recovery_s`` (kill to the end of the first new step) split into ``relaunch_s`` (kill to the new process's
         start), ``imports_s`` (torch, Lightning, ds_lightning), ``startup_s`` (the other ranks' launch, their
-        imports and the rendezvous: to ``on_fit_start``),
-        ``restore_s`` (to ``on_train_start``: the backup loaded) and ``first_step_s``; the step killed at, the step
+        imports and the rendezvous: to the ``setup`` hook), ``restore_s`` (to ``on_train_start``: the backup read
+        and put back, with the strategy's model and optimizer set-up) and ``first_step_s``; the step killed at, the step
         resumed from, ``steps_lost`` (done twice) and ``since_backup`` (steps since the last multiple of ``every``,
         what an instant, complete backup would lose).
 
@@ -79,7 +79,7 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
         raise ValueError("no kill in the stamps: the first launch ended on its own (is kill_at past max_steps?)")
     after = [s for s in stamps if s["t"] > kill["t"] and s["pid"] != kill["pid"]]
     start = next((s for s in after if s["event"] == "process_start"), None)
-    fit = next((s for s in after if s["event"] == "fit_start"), None)
+    fit = next((s for s in after if s["event"] == "setup"), None)
     train = next((s for s in after if s["event"] == "train_start"), None)
     step = next((s for s in after if s["event"] == "step"), None)
     if start is None or fit is None or train is None or step is None:
@@ -317,9 +317,10 @@ class Faults(harness.Benchmark):
                 f" {st['recovery_every']} steps, async; MLP 64-1024-1024-10, 2 processes)",
                 "",
                 "Recovery = kill to the end of the first new step = relaunch + imports (rank 0's torch, Lightning,"
-                " ds_lightning) + start-up (the other ranks' launch and imports, rendezvous) + restore (to"
-                " on_train_start) + first step. Steps lost = steps done before the kill that"
-                " the re-run does again; since backup = the kill step modulo the period.",
+                " ds_lightning) + start-up (the other ranks' launch and imports, rendezvous: to the setup hook)"
+                " + restore (to on_train_start: the backup read and put back, with the strategy's set-up) + first"
+                " step. Steps lost = steps done before the kill that the re-run does again; since backup = the kill"
+                " step modulo the period.",
                 "",
             ]
             rows = [

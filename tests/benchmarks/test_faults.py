@@ -15,14 +15,14 @@ from benchmarks.faults import Faults, overhead_arm, recovery_reading
 def _stamps() -> list[dict[str, Any]]:
     first = [
         {"event": "process_start", "t": 10.0, "pid": 1, "step": 0, "t_process": 2.0, "t_imported": 5.0},
-        {"event": "fit_start", "t": 10.0, "pid": 1, "step": 0},
+        {"event": "setup", "t": 10.0, "pid": 1, "step": 0},
         {"event": "train_start", "t": 10.1, "pid": 1, "step": 0},
         *({"event": "step", "t": 10.1 + 0.1 * i, "pid": 1, "step": i} for i in range(1, 48)),
         {"event": "kill", "t": 15.0, "pid": 1, "step": 47},
     ]
     again = [
         {"event": "process_start", "t": 25.0, "pid": 2, "step": 0, "t_process": 15.5, "t_imported": 19.0},
-        {"event": "fit_start", "t": 25.0, "pid": 2, "step": 0},
+        {"event": "setup", "t": 25.0, "pid": 2, "step": 0},
         {"event": "train_start", "t": 25.5, "pid": 2, "step": 40},
         {"event": "step", "t": 26.0, "pid": 2, "step": 41},
         {"event": "step", "t": 26.1, "pid": 2, "step": 42},
