@@ -98,6 +98,29 @@ class Stamps(Callback):
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+def _timed(fn: Any, into: list[float]) -> Any:
+    """``fn``, with each call's duration (ms) appended to ``into``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(1000 * (time.perf_counter() - start))
+
+    return wrapper
+
+
+def _instrument(callback: Any) -> dict[str, list[float]]:
+    """Time BackupAndRestore's save on the loop, and its file write (in the thread when async), by wrapping them."""
+    times: dict[str, list[float]] = {"save_ms": [], "write_ms": []}
+    callback.save = _timed(callback.save, times["save_ms"])
+    store = getattr(callback, "_store", None)  # instrumentation only: the file write lives in the store
+    if store is not None:
+        store.write = _timed(store.write, times["write_ms"])
+    return times
+
+
 def _strategy(spec: dict[str, Any]) -> Any:
     timeout = spec["dist_timeout"]
     if spec["strategy"] == "ds_mirrored":
@@ -117,11 +140,13 @@ def main(spec_path: str) -> None:
     stamps = Stamps(spec.get("stamp_dir"), spec.get("kill_at"))
     callbacks.append(stamps)
     ckpt_path = None
+    times: dict[str, list[float]] = {}
     backup = spec.get("backup")
     if backup:
         kwargs = {"every_n_train_steps": backup["every"], "keep": 2, "async_save": backup["async"]}
         if BackupAndRestore is not None:
             callbacks.append(BackupAndRestore(spec["backup_dir"], **kwargs))
+            times = _instrument(callbacks[-1])
         else:
             callbacks.append(_StandIn(spec["backup_dir"], **kwargs))
             ckpt_path = _stand_in_ckpt(spec["backup_dir"])
@@ -166,6 +191,8 @@ def main(spec_path: str) -> None:
         "median_step_ms": statistics.median(timed) if timed else None,
         "max_step_ms": max(timed) if timed else None,
         "backups": sorted(p.name for p in Path(spec["backup_dir"]).glob("*.ckpt")) if backup else [],
+        # Rank 0's time in BackupAndRestore.save (what the loop waits for) and in writing each file.
+        **{k: statistics.median(v) if v else None for k, v in times.items()},
         "backups_taken": getattr(callbacks[-1], "backups_taken", None) if backup else 0,
     }
     Path(spec["out_dir"], "result.json").write_text(json.dumps(record))

@@ -39,7 +39,7 @@ MODELS = {"mlp1m": [1024, 1024], "mlp10m": [2240, 2240, 2240]}
 STRATEGIES = ("ds_mirrored", "ds_pipeline", "ds_parameter_server")
 TARGET = 1.05  # async backups every 50 steps: at most 5% on step time
 TARGET_EVERY = 50
-OVERHEAD_KEYS = ["mean_step_ms", "median_step_ms", "max_step_ms"]
+OVERHEAD_KEYS = ["mean_step_ms", "median_step_ms", "max_step_ms", "mean_over_median", "save_ms", "write_ms"]
 RECOVERY_KEYS = [
     "recovery_s",
     "relaunch_s",
@@ -177,7 +177,10 @@ class Faults(harness.Benchmark):
             "stand_in": r["stand_in"],
             "params": r["params"],
             "backups": len(r["backups"]),
-            **{k: r[k] for k in OVERHEAD_KEYS},
+            # Within one run, the backups lift the mean over the median (the usual step): a figure that load drifting
+            # between runs does not move, unlike the run-to-run ratio.
+            "mean_over_median": r["mean_step_ms"] / r["median_step_ms"],
+            **{k: r.get(k) for k in ("mean_step_ms", "median_step_ms", "max_step_ms", "save_ms", "write_ms")},
         }
 
     def _recovery(self, arm: Arm, repeat: int, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
@@ -238,6 +241,7 @@ class Faults(harness.Benchmark):
                 continue
             base, every = overhead_arm(p["model"], None), p["backup"]["every"]
             s[arm]["overhead_ratio"] = harness.paired(records, arm, base, "mean_step_ms")
+            s[arm]["inrun_ratio"] = harness.paired(records, arm, base, "mean_over_median")
             # What one backup adds to the run, amortised over its period.
             s[arm]["per_backup_ms"] = harness.paired(
                 records, arm, base, "mean_step_ms", op=lambda a, b, n=every: (a - b) * n
@@ -247,7 +251,13 @@ class Faults(harness.Benchmark):
         for model in {params[a]["model"] for a in over}:
             arm = overhead_arm(model, TARGET_EVERY, True)
             ratio = s.get(arm, {}).get("overhead_ratio")
-            target[model] = {"ratio": ratio, "met": ratio["median"] <= TARGET if ratio else None}
+            inrun = s.get(arm, {}).get("inrun_ratio")
+            target[model] = {
+                "ratio": ratio,
+                "met": ratio["median"] <= TARGET if ratio else None,
+                "inrun_ratio": inrun,
+                "inrun_met": inrun["median"] <= TARGET if inrun else None,
+            }
         return {"arms": s, "target": target}
 
     def report(self, data: dict[str, Any]) -> list[str]:
@@ -267,8 +277,12 @@ class Faults(harness.Benchmark):
                 f"### Backup overhead (ds_mirrored, 2 processes, batch {st['batch_size']} per process,"
                 f" {st['warmup']} warm-up + {st['steps']} timed steps, backups under {data.get('backup_root')})",
                 "",
-                "Step time is the mean from one step's end to the next, so it includes every backup's blocking part;"
-                " the ratio is against no backup in the same repeat; per backup = (mean - mean without) x period.",
+                "Step time is the mean from one step's end to the next, so it includes every backup's blocking part."
+                " *vs none*: the mean over the mean without backups in the same repeat. *in-run*: the same from"
+                " within each run, (mean / median) over the no-backup run's (mean / median): the median is the usual"
+                " step, and load that drifts between runs moves this figure much less. *per backup*: (mean - mean"
+                " without) x period. *loop wait*: rank 0's time inside BackupAndRestore.save (state copy, and the"
+                " file write when sync); *write*: the file write (torch.save, fsync, rename), in a thread when async.",
                 "",
             ]
             rows = []
@@ -282,7 +296,10 @@ class Faults(harness.Benchmark):
                         "-" if b is None else b["every"],
                         fmt(v["mean_step_ms"], ".2f"),
                         fmt(v.get("overhead_ratio"), ".3f"),
+                        fmt(v.get("inrun_ratio"), ".3f"),
                         fmt(v.get("per_backup_ms"), ".0f"),
+                        fmt(v.get("save_ms"), ".0f"),
+                        fmt(v.get("write_ms"), ".0f"),
                         fmt(v["median_step_ms"], ".2f"),
                         fmt(v["max_step_ms"], ".0f"),
                     ]
@@ -294,7 +311,10 @@ class Faults(harness.Benchmark):
                     "every",
                     "mean step (ms)",
                     "vs none",
+                    "in-run",
                     "per backup (ms)",
+                    "loop wait (ms)",
+                    "write (ms)",
                     "median step (ms)",
                     "longest step (ms)",
                 ],
@@ -305,9 +325,10 @@ class Faults(harness.Benchmark):
                 if t["ratio"] is None:
                     continue
                 verdict = "met" if t["met"] else "NOT met"
+                inrun = "met" if t.get("inrun_met") else "not met"
                 out.append(
                     f"- **Target (async every {TARGET_EVERY} steps <= {TARGET:.2f}x), {model}: {fmt(t['ratio'], '.3f')}"
-                    f" -> {verdict}.**"
+                    f" -> {verdict}** (in-run estimate {fmt(t.get('inrun_ratio'), '.3f')}: {inrun})."
                 )
         rec = [a for a in data["arms"] if params[a]["part"] == "recovery"]
         if rec:
