@@ -2,10 +2,11 @@
 
 Started by ``benchmarks/faults.py`` with a JSON spec. Rank 0 appends one JSON line per event to
 ``<stamp_dir>/stamps.jsonl`` (wall-clock ``time.time()``, so two launches line up): when its process started, when
-``fit`` and training started (and at which step: a restored run starts past 0), and every step's end. With
-``kill_at``, rank 0 kills its whole process group with SIGKILL (every rank, and the parameter servers, which the
-chief starts in its group) at the end of that step, unless a ``killed`` marker says an earlier launch already did: the
-re-run is the same command. A run that ends writes ``result.json`` into ``out_dir``.
+``setup`` ran and training started (and at which step: a restored run starts past 0), every step's end, and a failure
+it met. With ``kill_at``, rank 0 kills its whole process group with SIGKILL (every rank, and the parameter servers,
+which the chief starts in its group) at the end of that step; with ``kill_rank``, that rank kills only itself. A
+``killed`` marker stops a later launch from killing again: the re-run is the same command. A run that ends writes
+``result.json`` into ``out_dir``.
 """
 
 from __future__ import annotations
@@ -62,16 +63,25 @@ def _stand_in_ckpt(backup_dir: str) -> str | None:
 
 
 class Stamps(Callback):
-    """Rank 0's clock: every step's end (``perf_counter``, for step intervals), and events as JSON lines."""
+    """Rank 0's clock: every step's end (``perf_counter``, for step intervals), and events as JSON lines.
 
-    def __init__(self, stamp_dir: str | None, kill_at: int | None) -> None:
+    Args:
+        stamp_dir: where ``stamps.jsonl`` goes; ``None`` for no file and no kill.
+        kill_at: the step at whose end to kill (once: the ``killed`` marker).
+        kill_rank: ``None`` to kill every process (rank 0 kills its process group), or the one rank that kills
+            itself (the others meet its absence in their next collective).
+
+    """
+
+    def __init__(self, stamp_dir: str | None, kill_at: int | None, kill_rank: int | None = None) -> None:
         self.path = Path(stamp_dir, "stamps.jsonl") if stamp_dir else None
         self.kill_at = kill_at
+        self.kill_rank = kill_rank
         self.ends: list[float] = []
         self.first_step: int | None = None
 
-    def _note(self, trainer: pl.Trainer, event: str, **extra: Any) -> None:
-        if self.path is None or trainer.global_rank != 0:
+    def _note(self, trainer: pl.Trainer, event: str, any_rank: bool = False, **extra: Any) -> None:
+        if self.path is None or (trainer.global_rank != 0 and not any_rank):
             return
         line = {"event": event, "t": time.time(), "pid": os.getpid(), "step": trainer.global_step, **extra}
         with self.path.open("a") as f:  # one write per line: a kill leaves whole lines behind
@@ -86,16 +96,25 @@ class Stamps(Callback):
         self.first_step = trainer.global_step
         self._note(trainer, "train_start")
 
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._note(trainer, "failed", error=f"{type(exception).__name__}: {exception}"[:300])
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         self.ends.append(time.perf_counter())
-        if self.path is None or trainer.global_rank != 0:
+        if self.path is None:
             return
         self._note(trainer, "step")
         marker = self.path.parent / "killed"
-        if self.kill_at is not None and trainer.global_step >= self.kill_at and not marker.exists():
+        if self.kill_at is None or trainer.global_step < self.kill_at or marker.exists():
+            return
+        if self.kill_rank is None and trainer.global_rank == 0:
             marker.write_text(str(trainer.global_step))
             self._note(trainer, "kill")
             os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif self.kill_rank == trainer.global_rank:
+            marker.write_text(str(trainer.global_step))
+            self._note(trainer, "kill", any_rank=True, rank=trainer.global_rank)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _timed(fn: Any, into: list[float]) -> Any:
@@ -137,7 +156,7 @@ def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(spec["seed"], verbose=False)
     callbacks: list[Callback] = []
-    stamps = Stamps(spec.get("stamp_dir"), spec.get("kill_at"))
+    stamps = Stamps(spec.get("stamp_dir"), spec.get("kill_at"), spec.get("kill_rank"))
     callbacks.append(stamps)
     ckpt_path = None
     times: dict[str, list[float]] = {}

@@ -42,6 +42,7 @@ TARGET_EVERY = 50
 OVERHEAD_KEYS = ["mean_step_ms", "median_step_ms", "max_step_ms", "mean_over_median", "save_ms", "write_ms"]
 RECOVERY_KEYS = [
     "recovery_s",
+    "detect_s",
     "relaunch_s",
     "imports_s",
     "startup_s",
@@ -64,11 +65,12 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
 
     Returns:
         ``recovery_s`` (kill to the end of the first new step) split into ``relaunch_s`` (kill to the new process's
-        start), ``imports_s`` (torch, Lightning, ds_lightning), ``startup_s`` (the other ranks' launch, their
-        imports and the rendezvous: to the ``setup`` hook), ``restore_s`` (to ``on_train_start``: the backup read
-        and put back, with the strategy's model and optimizer set-up) and ``first_step_s``; the step killed at, the step
-        resumed from, ``steps_lost`` (done twice) and ``since_backup`` (steps since the last multiple of ``every``,
-        what an instant, complete backup would lose).
+        start; it holds ``detect_s``, the kill to rank 0's failure, when only another rank was killed),
+        ``imports_s`` (torch, Lightning, ds_lightning), ``startup_s`` (the other ranks' launch, their imports and
+        the rendezvous: to the ``setup`` hook), ``restore_s`` (to ``on_train_start``: the backup read and put back,
+        with the strategy's model and optimizer set-up) and ``first_step_s``; the step killed at, the step resumed
+        from, ``steps_lost`` (done twice) and ``since_backup`` (steps since the last multiple of ``every``, what an
+        instant, complete backup would lose).
 
     Raises:
         ValueError: the stamps hold no kill, or no step after it.
@@ -77,8 +79,11 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
     kill = next((s for s in stamps if s["event"] == "kill"), None)
     if kill is None:
         raise ValueError("no kill in the stamps: the first launch ended on its own (is kill_at past max_steps?)")
-    after = [s for s in stamps if s["t"] > kill["t"] and s["pid"] != kill["pid"]]
-    start = next((s for s in after if s["event"] == "process_start"), None)
+    # The survivors of a one-rank kill may stamp a failure (or even a step) after it; the re-run is the first new
+    # process to start after the kill, and its own events.
+    failed = next((s for s in stamps if s["event"] == "failed" and s["t"] >= kill["t"]), None)
+    start = next((s for s in stamps if s["event"] == "process_start" and s["t_process"] > kill["t"]), None)
+    after = [s for s in stamps if start is not None and s["pid"] == start["pid"] and s["t"] >= start["t"]]
     fit = next((s for s in after if s["event"] == "setup"), None)
     train = next((s for s in after if s["event"] == "train_start"), None)
     step = next((s for s in after if s["event"] == "step"), None)
@@ -86,6 +91,7 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
         raise ValueError(f"the re-run after the kill at step {kill['step']} never reached a training step")
     return {
         "recovery_s": step["t"] - kill["t"],
+        "detect_s": failed["t"] - kill["t"] if failed else None,
         "relaunch_s": start["t_process"] - kill["t"],
         "imports_s": start["t_imported"] - start["t_process"],
         "startup_s": fit["t"] - start["t_imported"],
@@ -118,6 +124,13 @@ class Faults(harness.Benchmark):
         parser.add_argument("--every", type=int, nargs="+", default=None, help="backup periods (10 50 200; 10 quick)")
         parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
         parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
+        parser.add_argument(
+            "--rank-kill",
+            nargs="*",
+            default=["ds_mirrored"],
+            choices=list(STRATEGIES),
+            help="strategies also run with only rank 1 killed (ds_mirrored)",
+        )
         parser.add_argument("--recovery-every", type=int, default=None, help="backup period in part 2 (20; 5 quick)")
         parser.add_argument("--recovery-steps", type=int, default=None, help="max_steps in part 2 (80; 20 quick)")
         parser.add_argument("--batch-size", type=int, default=32, help="batch per process (32)")
@@ -148,7 +161,11 @@ class Faults(harness.Benchmark):
                             )
                         )
         if "recovery" in opts.parts:
-            arms += [Arm(f"recover_{s}", {"part": "recovery", "strategy": s}, s) for s in opts.strategies]
+            for s in opts.strategies:
+                arms.append(Arm(f"recover_{s}", {"part": "recovery", "strategy": s, "kill_rank": None}, s))
+                if s in opts.rank_kill:
+                    params = {"part": "recovery", "strategy": s, "kill_rank": 1}
+                    arms.append(Arm(f"recover_{s}_rank1", params, f"{s}, rank 1 only"))
         return Experiment(arms, opts.repeats)
 
     def _spec(self, opts: argparse.Namespace, **kw: Any) -> dict[str, Any]:
@@ -200,20 +217,23 @@ class Faults(harness.Benchmark):
             backup_dir=str(Path(tmp, "backups")),
             stamp_dir=str(stamp_dir),
             kill_at=kill_at,
+            kill_rank=arm.params["kill_rank"],
         )
         env = harness.worker_env(1)
         try:
             harness.launch(WORKER, spec, opts.timeout, env)
-        except harness.Failed as exc:  # expected: killed, so nothing written
-            if exc.found.get("rc") != -9:
+        except harness.Failed as exc:  # expected: killed (-9), or rank 0 failed on the killed rank's absence
+            if not (stamp_dir / "killed").exists():
                 raise
+            first_rc = exc.found.get("rc")
         else:
-            raise harness.Failed(f"the first launch was not killed (kill_at={kill_at})")
+            raise harness.Failed(f"the first launch was not killed, or survived the kill (kill_at={kill_at})")
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, env)
         stamps = _read_lines(stamp_dir / "stamps.jsonl")
         r = found["result"]
         return {
             "rc": found["rc"],
+            "first_rc": first_rc,
             "stand_in": r["stand_in"],
             "last_step": r["last_step"],
             **recovery_reading(stamps, every),
@@ -334,21 +354,23 @@ class Faults(harness.Benchmark):
         if rec:
             out += [
                 "",
-                f"### Recovery (kill -9 of every process at a step, then the same command again; backups every"
+                f"### Recovery (kill -9 of every process, or of rank 1 alone, at a step, then the same command again;"
+                " backups every"
                 f" {st['recovery_every']} steps, async; MLP 64-1024-1024-10, 2 processes)",
                 "",
                 "Recovery = kill to the end of the first new step = relaunch + imports (rank 0's torch, Lightning,"
                 " ds_lightning) + start-up (the other ranks' launch and imports, rendezvous: to the setup hook)"
                 " + restore (to on_train_start: the backup read and put back, with the strategy's set-up) + first"
-                " step. Steps lost = steps done before the kill that the re-run does again; since backup = the kill"
-                " step modulo the period.",
+                " step. Detect: from the kill of rank 1 to rank 0's failure (it is part of the relaunch). Steps lost ="
+                " steps done before the kill that the re-run does again; since backup = the kill step modulo the"
+                " period.",
                 "",
             ]
             rows = [
                 [
-                    arm.removeprefix("recover_"),
-                    *(fmt(s[arm][k], ".2f") for k in RECOVERY_KEYS[:6]),
-                    *(fmt(s[arm][k], ".0f") for k in RECOVERY_KEYS[6:]),
+                    data["arms"][arm],
+                    *(fmt(s[arm][k], ".2f") for k in RECOVERY_KEYS[:7]),
+                    *(fmt(s[arm][k], ".0f") for k in RECOVERY_KEYS[7:]),
                 ]
                 for arm in rec
             ]
@@ -356,6 +378,7 @@ class Faults(harness.Benchmark):
                 [
                     "strategy",
                     "recovery (s)",
+                    "detect (s)",
                     "relaunch (s)",
                     "imports (s)",
                     "start-up (s)",
@@ -406,7 +429,7 @@ class Faults(harness.Benchmark):
         rec = [a for a in data["arms"] if params[a]["part"] == "recovery" and s[a].get("recovery_s")]
         bottom = [0.0] * len(rec)
         for k, label in zip(
-            RECOVERY_KEYS[1:6], ["relaunch", "imports", "start-up", "restore", "first step"], strict=True
+            RECOVERY_KEYS[2:7], ["relaunch", "imports", "start-up", "restore", "first step"], strict=True
         ):
             vals = [s[a][k]["median"] if s[a][k] else 0.0 for a in rec]
             ax2.bar(range(len(rec)), vals, bottom=bottom, label=label)
@@ -419,7 +442,7 @@ class Faults(harness.Benchmark):
                 va="bottom",
                 fontsize=8,
             )
-        ax2.set_xticks(range(len(rec)), [a.removeprefix("recover_") for a in rec], fontsize=8)
+        ax2.set_xticks(range(len(rec)), [data["arms"][a].replace(", ", ",\n") for a in rec], fontsize=8)
         ax2.set_ylabel("seconds from kill -9 (medians)")
         ax2.set_title("Recovery: kill to the first new step")
         if rec:

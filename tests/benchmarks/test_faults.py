@@ -39,6 +39,20 @@ def test_recovery_reading_splits_kill_to_first_new_step():
     assert (r["kill_step"], r["resumed_step"], r["steps_lost"], r["since_backup"]) == (47, 40, 7, 7)
 
 
+def test_recovery_reading_after_one_rank_killed_skips_the_survivors_last_events():
+    stamps = _stamps()
+    kill = next(s for s in stamps if s["event"] == "kill")
+    kill.update(pid=3, rank=1)  # rank 1 killed itself; rank 0 (pid 1) ran one more step, then failed
+    stamps[stamps.index(kill) + 1 : stamps.index(kill) + 1] = [
+        {"event": "step", "t": 15.1, "pid": 1, "step": 48},
+        {"event": "failed", "t": 15.3, "pid": 1, "step": 48, "error": "RuntimeError: Connection closed by peer"},
+    ]
+    r = recovery_reading(stamps, every=20)
+    assert r["detect_s"] == pytest.approx(0.3)
+    assert r["first_step_s"] == pytest.approx(0.5)  # the re-run's first step, not rank 0's step 48
+    assert (r["kill_step"], r["resumed_step"], r["steps_lost"]) == (47, 40, 7)
+
+
 def test_recovery_reading_names_a_missing_kill_or_rerun():
     stamps = _stamps()
     with pytest.raises(ValueError, match="no kill"):
@@ -87,13 +101,13 @@ def test_render_reports_the_target_and_recovery(tmp_path: Path):
         "mlp1m_none": {"part": "overhead", "model": "mlp1m", "backup": None},
         "mlp1m_sync50": {"part": "overhead", "model": "mlp1m", "backup": {"every": 50, "async": False}},
         "mlp1m_async50": {"part": "overhead", "model": "mlp1m", "backup": {"every": 50, "async": True}},
-        "recover_ds_mirrored": {"part": "recovery", "strategy": "ds_mirrored"},
+        "recover_ds_mirrored": {"part": "recovery", "strategy": "ds_mirrored", "kill_rank": None},
     }
     data = {
         "benchmark": "faults",
         "settings": {"repeats": 2, "batch_size": 32, "warmup": 10, "steps": 200, "recovery_every": 20},
         "package": {"commit": "0123456789abcdef", "uncommitted": []},
-        "arms": {a: a for a in params},
+        "arms": {a: a.removeprefix("recover_") for a in params},
         "arm_params": params,
         "baseline": None,
         "records": _records(),
@@ -109,7 +123,7 @@ def test_render_reports_the_target_and_recovery(tmp_path: Path):
         in md
     )
     assert f"async every 50 steps <= 1.05x), mlp1m: {ratio} -> met** (in-run estimate {ratio}: met)." in md
-    assert "| ds_mirrored | 11.00 [11.00 - 11.00] | 0.50 [0.50 - 0.50] | 3.50 [3.50 - 3.50] |" in md
+    assert "| ds_mirrored | 11.00 [11.00 - 11.00] | - | 0.50 [0.50 - 0.50] | 3.50 [3.50 - 3.50] |" in md
     assert "| 47 [47 - 47] | 40 [40 - 40] | 7 [7 - 7] | 7 [7 - 7] |" in md
     assert (tmp_path / "faults.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     summary = json.loads(json.dumps(Faults().summarise(data)))
