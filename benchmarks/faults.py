@@ -262,6 +262,7 @@ class Faults(harness.Benchmark):
             base, every = overhead_arm(p["model"], None), p["backup"]["every"]
             s[arm]["overhead_ratio"] = harness.paired(records, arm, base, "mean_step_ms")
             s[arm]["inrun_ratio"] = harness.paired(records, arm, base, "mean_over_median")
+            s[arm]["bounds"] = _bounds(s[arm], s.get(base, {}), every, p["backup"]["async"])
             # What one backup adds to the run, amortised over its period.
             s[arm]["per_backup_ms"] = harness.paired(
                 records, arm, base, "mean_step_ms", op=lambda a, b, n=every: (a - b) * n
@@ -277,6 +278,7 @@ class Faults(harness.Benchmark):
                 "met": ratio["median"] <= TARGET if ratio else None,
                 "inrun_ratio": inrun,
                 "inrun_met": inrun["median"] <= TARGET if inrun else None,
+                "bounds": s.get(arm, {}).get("bounds"),
             }
         return {"arms": s, "target": target}
 
@@ -302,7 +304,10 @@ class Faults(harness.Benchmark):
                 " within each run, (mean / median) over the no-backup run's (mean / median): the median is the usual"
                 " step, and load that drifts between runs moves this figure much less. *per backup*: (mean - mean"
                 " without) x period. *loop wait*: rank 0's time inside BackupAndRestore.save (state copy, and the"
-                " file write when sync); *write*: the file write (torch.save, fsync, rename), in a thread when async.",
+                " file write when sync); *write*: the file write (torch.save, fsync, rename), in a thread when async."
+                " *from timings*: 1 + loop wait / (period x usual step without backups), and, for async, up to"
+                " 1 + (loop wait + write) / (the same): the upper end if the writing thread took its whole time from"
+                " training (on 2 shared cores it competes with it).",
                 "",
             ]
             rows = []
@@ -317,6 +322,7 @@ class Faults(harness.Benchmark):
                         fmt(v["mean_step_ms"], ".2f"),
                         fmt(v.get("overhead_ratio"), ".3f"),
                         fmt(v.get("inrun_ratio"), ".3f"),
+                        _fmt_bounds(v.get("bounds")),
                         fmt(v.get("per_backup_ms"), ".0f"),
                         fmt(v.get("save_ms"), ".0f"),
                         fmt(v.get("write_ms"), ".0f"),
@@ -332,6 +338,7 @@ class Faults(harness.Benchmark):
                     "mean step (ms)",
                     "vs none",
                     "in-run",
+                    "from timings",
                     "per backup (ms)",
                     "loop wait (ms)",
                     "write (ms)",
@@ -348,7 +355,8 @@ class Faults(harness.Benchmark):
                 inrun = "met" if t.get("inrun_met") else "not met"
                 out.append(
                     f"- **Target (async every {TARGET_EVERY} steps <= {TARGET:.2f}x), {model}: {fmt(t['ratio'], '.3f')}"
-                    f" -> {verdict}** (in-run estimate {fmt(t.get('inrun_ratio'), '.3f')}: {inrun})."
+                    f" -> {verdict}** (in-run estimate {fmt(t.get('inrun_ratio'), '.3f')}: {inrun}; from timings"
+                    f" {_fmt_bounds(t.get('bounds'))})."
                 )
         rec = [a for a in data["arms"] if params[a]["part"] == "recovery"]
         if rec:
@@ -461,6 +469,22 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
         with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
     return out
+
+
+def _bounds(arm: dict[str, Any], base: dict[str, Any], every: int, async_save: bool) -> list[float] | None:
+    """The overhead ratio implied by the measured waits: ``[low, high]`` (see the report's *from timings*)."""
+    if not arm.get("save_ms") or not base.get("median_step_ms"):
+        return None
+    period_ms = every * base["median_step_ms"]["median"]
+    low = 1 + arm["save_ms"]["median"] / period_ms
+    write = arm["write_ms"]["median"] if async_save and arm.get("write_ms") else 0.0
+    return [low, low + write / period_ms]
+
+
+def _fmt_bounds(b: Sequence[float] | None) -> str:
+    if not b:
+        return "-"
+    return f"{b[0]:.3f}" if b[1] == b[0] else f"{b[0]:.3f} - {b[1]:.3f}"
 
 
 def _load(avg: Sequence[float] | None) -> str:
