@@ -3,13 +3,15 @@
 Part 1, overhead: ``ds_mirrored`` on 2 CPU processes (gloo, 1 thread each), the digits MLP 64-1024-1024-10 (1.1M
 parameters) and a wide 64-2240-2240-2240-10 MLP on the same data (10.2M parameters), batch 32 per process, SGD with
 momentum; backups every 10 / 50 / 200 steps, ``async_save`` off (sync) and on (async), against no backup. Step time is
-rank 0's step end to step end, averaged over the timed steps (the mean, not the median: the median would skip the
-steps that back up), so whatever a backup blocks is in it wherever the callback runs. Target (issue 14): backups every
+rank 0's step end to step end, averaged over the timed steps (``--steps``, or one backup period if longer; the mean,
+not the median: the median would skip the steps that back up), so whatever a backup blocks is in it wherever the
+callback runs. Target (issue 14): backups every
 50 steps with ``async_save`` cost at most 5% of step time.
 
 Part 2, recovery: under ``ds_mirrored``, ``ds_pipeline`` and ``ds_parameter_server`` (``max_staleness=0``, 1 server),
 the 1.1M MLP with a backup every ``--recovery-every`` steps; rank 0 kills its whole process group with SIGKILL at a
-step drawn per repeat between two backups, and the same command runs again. Recovery time is from the kill to the end
+step drawn per repeat between two backups (under ``--rank-kill`` strategies also: rank 1 kills only itself, and rank 0
+must notice), and the same command runs again. Recovery time is from the kill to the end
 of the first new training step; steps lost are the steps done before the kill that the new run does again.
 
     python benchmarks/faults.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--parts overhead recovery]
@@ -109,7 +111,7 @@ class Faults(harness.Benchmark):
     description = __doc__
     defaults = {
         "repeats": 3,
-        "steps": 200,
+        "steps": 100,
         "warmup": 10,
         "every": [10, 50, 200],
         "recovery_every": 20,
@@ -119,7 +121,12 @@ class Faults(harness.Benchmark):
 
     def options(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--parts", nargs="+", default=["overhead", "recovery"], choices=["overhead", "recovery"])
-        parser.add_argument("--steps", type=int, default=None, help="timed steps per overhead run (200; 20 quick)")
+        parser.add_argument(
+            "--steps",
+            type=int,
+            default=None,
+            help="timed steps per overhead run, at least one backup period (100; 20 quick)",
+        )
         parser.add_argument("--warmup", type=int, default=None, help="steps left out before them (10; 2 quick)")
         parser.add_argument("--every", type=int, nargs="+", default=None, help="backup periods (10 50 200; 10 quick)")
         parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -182,7 +189,7 @@ class Faults(harness.Benchmark):
             opts,
             strategy="ds_mirrored",
             hidden=MODELS[arm.params["model"]],
-            max_steps=opts.warmup + opts.steps + 1,  # one more step end than timed intervals
+            max_steps=opts.warmup + _timed_steps(opts.steps, arm.params["backup"]) + 1,  # intervals + 1 step ends
             warmup=opts.warmup,
             backup=arm.params["backup"],
             backup_dir=tmp,
@@ -297,7 +304,8 @@ class Faults(harness.Benchmark):
             out += [
                 "",
                 f"### Backup overhead (ds_mirrored, 2 processes, batch {st['batch_size']} per process,"
-                f" {st['warmup']} warm-up + {st['steps']} timed steps, backups under {data.get('backup_root')})",
+                f" {st['warmup']} warm-up + {st['steps']} timed steps or one backup period if longer, backups under"
+                f" {data.get('backup_root')})",
                 "",
                 "Step time is the mean from one step's end to the next, so it includes every backup's blocking part."
                 " *vs none*: the mean over the mean without backups in the same repeat. *in-run*: the same from"
@@ -469,6 +477,11 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
         with contextlib.suppress(json.JSONDecodeError):
             out.append(json.loads(line))
     return out
+
+
+def _timed_steps(steps: int, backup: dict[str, Any] | None) -> int:
+    """Timed steps of an overhead run: ``steps``, or one whole backup period when that is longer."""
+    return max(steps, backup["every"]) if backup else steps
 
 
 def _bounds(arm: dict[str, Any], base: dict[str, Any], every: int, async_save: bool) -> list[float] | None:
