@@ -174,7 +174,7 @@ def main(spec_path: str) -> None:
     assert data.train_set is not None
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=spec.get("devices", 2),  # 1 per task in the namespace cluster, where TF_CONFIG gives the rest
         strategy=_strategy(spec),
         max_steps=spec["max_steps"],
         logger=False,

@@ -11,7 +11,9 @@ callback runs. Target (issue 14): backups every
 Part 2, recovery: under ``ds_mirrored``, ``ds_pipeline`` and ``ds_parameter_server`` (``max_staleness=0``, 1 server),
 the 1.1M MLP with a backup every ``--recovery-every`` steps; rank 0 kills its whole process group with SIGKILL at a
 step drawn per repeat between two backups (under ``--rank-kill`` strategies also: rank 1 kills only itself, and rank 0
-must notice), and the same command runs again. Recovery time is from the kill to the end
+must notice), and the same command runs again. Part 3, the same in the network-namespace cluster (as root): two hosts,
+one ``ds_mirrored`` task each started by TF_CONFIG alone, every process of host 1 SIGKILLed (``Cluster.kill``) once
+rank 0 has done the step, then both tasks started again. Recovery time is from the kill to the end
 of the first new training step; steps lost are the steps done before the kill that the new run does again.
 
     python benchmarks/faults.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--parts overhead recovery]
@@ -25,8 +27,11 @@ import json
 import os
 import platform
 import random
+import signal
+import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -35,10 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, fmt
+from ds_lightning.testing import free_port, netns
 
 WORKER = Path(__file__).resolve().parent / "_faults_worker.py"
 MODELS = {"mlp1m": [1024, 1024], "mlp10m": [2240, 2240, 2240]}
 STRATEGIES = ("ds_mirrored", "ds_pipeline", "ds_parameter_server")
+PARTS = ("overhead", "recovery", "netns")
+_ENV_DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
 TARGET = 1.05  # async backups every 50 steps: at most 5% on step time
 TARGET_EVERY = 50
 OVERHEAD_KEYS = ["mean_step_ms", "median_step_ms", "max_step_ms", "mean_over_median", "save_ms", "write_ms"]
@@ -91,6 +99,8 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
     step = next((s for s in after if s["event"] == "step"), None)
     if start is None or fit is None or train is None or step is None:
         raise ValueError(f"the re-run after the kill at step {kill['step']} never reached a training step")
+    # The last step the killed run completed (a survivor may finish the step the kill interrupted elsewhere).
+    done = max([kill["step"]] + [s["step"] for s in stamps if s["event"] == "step" and s["t"] < start["t_process"]])
     return {
         "recovery_s": step["t"] - kill["t"],
         "detect_s": failed["t"] - kill["t"] if failed else None,
@@ -101,7 +111,7 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
         "first_step_s": step["t"] - train["t"],
         "kill_step": kill["step"],
         "resumed_step": train["step"],
-        "steps_lost": kill["step"] - train["step"],
+        "steps_lost": done - train["step"],
         "since_backup": kill["step"] % every,
     }
 
@@ -120,7 +130,13 @@ class Faults(harness.Benchmark):
     quick = {"repeats": 1, "steps": 20, "warmup": 2, "every": [10], "recovery_every": 5, "recovery_steps": 20}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--parts", nargs="+", default=["overhead", "recovery"], choices=["overhead", "recovery"])
+        parser.add_argument(
+            "--parts",
+            nargs="+",
+            default=list(PARTS),
+            choices=list(PARTS),
+            help="overhead, recovery on loopback, recovery in the network-namespace cluster (as root; all three)",
+        )
         parser.add_argument(
             "--steps",
             type=int,
@@ -173,6 +189,9 @@ class Faults(harness.Benchmark):
                 if s in opts.rank_kill:
                     params = {"part": "recovery", "strategy": s, "kill_rank": 1}
                     arms.append(Arm(f"recover_{s}_rank1", params, f"{s}, rank 1 only"))
+        if "netns" in opts.parts:
+            params = {"part": "recovery", "strategy": "ds_mirrored", "kill_rank": 1, "netns": True}
+            arms.append(Arm("recover_ds_mirrored_netns", params, "ds_mirrored, host 1 lost (netns)"))
         return Experiment(arms, opts.repeats)
 
     def _spec(self, opts: argparse.Namespace, **kw: Any) -> dict[str, Any]:
@@ -182,6 +201,8 @@ class Faults(harness.Benchmark):
         with tempfile.TemporaryDirectory(prefix="ds-faults-", dir=opts.backup_root) as tmp:
             if arm.params["part"] == "overhead":
                 return self._overhead(arm, opts, tmp)
+            if arm.params.get("netns"):
+                return self._recovery_netns(repeat, opts, tmp)
             return self._recovery(arm, repeat, opts, tmp)
 
     def _overhead(self, arm: Arm, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
@@ -209,10 +230,7 @@ class Faults(harness.Benchmark):
 
     def _recovery(self, arm: Arm, repeat: int, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
         every = opts.recovery_every
-        # Between the second and third backup, drawn per repeat (the same draw for every strategy).
-        kill_at = random.Random(repeat).randint(2 * every + 1, 3 * every - 1)
-        if kill_at >= opts.recovery_steps:
-            raise harness.Failed(f"kill step {kill_at} >= --recovery-steps {opts.recovery_steps}: raise it")
+        kill_at = self._kill_at(repeat, opts)
         stamp_dir = Path(tmp, "stamps")
         stamp_dir.mkdir()
         spec = self._spec(
@@ -251,8 +269,94 @@ class Faults(harness.Benchmark):
             return f"recovered in {record['recovery_s']:.1f} s, {record['steps_lost']} steps lost"
         return f"{record['mean_step_ms']:.2f} ms/step (mean)"
 
+    def _kill_at(self, repeat: int, opts: argparse.Namespace) -> int:
+        every = opts.recovery_every
+        # Between the second and third backup, drawn per repeat (the same draw for every strategy).
+        kill_at = random.Random(repeat).randint(2 * every + 1, 3 * every - 1)
+        if kill_at >= opts.recovery_steps:
+            raise harness.Failed(f"kill step {kill_at} >= --recovery-steps {opts.recovery_steps}: raise it")
+        return kill_at
+
+    def _recovery_netns(self, repeat: int, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
+        """Two hosts, one ``ds_mirrored`` task each (TF_CONFIG only); every process of host 1 killed at a step."""
+        cluster = self._cluster
+        if cluster is None:
+            raise harness.Failed(f"no network-namespace cluster: {self._netns_missing}")
+        kill_at = self._kill_at(repeat, opts)
+        stamp_dir = Path(tmp, "stamps")
+        stamp_dir.mkdir()
+        spec = self._spec(
+            opts,
+            strategy="ds_mirrored",
+            hidden=MODELS["mlp1m"],
+            max_steps=opts.recovery_steps,
+            backup={"every": opts.recovery_every, "async": True},
+            backup_dir=str(Path(tmp, "backups")),
+            stamp_dir=str(stamp_dir),
+            devices=1,
+        )
+        first = self._launch_hosts(cluster, spec, tmp, "first", kill_at, opts.timeout)
+        if not any(s["event"] == "kill" for s in _read_lines(stamp_dir / "stamps.jsonl")):
+            raise harness.Failed(f"the first launch ended before step {kill_at} (exit codes {first})")
+        second = self._launch_hosts(cluster, spec, tmp, "again", None, opts.timeout)
+        result = Path(tmp, "again", "result.json")
+        if not result.exists():
+            raise harness.Failed(f"the re-run wrote no result (exit codes {second})")
+        r = json.loads(result.read_text())
+        return {
+            "rc": second[0],
+            "first_rc": first[0],
+            "stand_in": r["stand_in"],
+            "last_step": r["last_step"],
+            **recovery_reading(_read_lines(stamp_dir / "stamps.jsonl"), opts.recovery_every),
+        }
+
+    def _launch_hosts(
+        self, cluster: netns.Cluster, spec: dict[str, Any], tmp: str, name: str, kill_at: int | None, timeout: float
+    ) -> list[int | None]:
+        """One task per host; with ``kill_at``, every process of host 1 SIGKILLed once rank 0 stamped that step."""
+        out = Path(tmp, name)
+        out.mkdir()
+        spec_path = out / "spec.json"
+        spec_path.write_text(json.dumps({**spec, "out_dir": str(out)}))
+        port = free_port()
+        tf_cluster = {"worker": [f"{h.address}:{port}" for h in cluster.hosts]}
+        procs = []
+        for index, host in enumerate(cluster.hosts):
+            env = harness.worker_env(threads=1, rendezvous=False)
+            for variable in _ENV_DROP:
+                env.pop(variable, None)
+            env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "task": {"type": "worker", "index": index}})
+            with (out / f"host{index}.log").open("w") as log:
+                cmd = [sys.executable, str(WORKER), str(spec_path)]
+                procs.append(host.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT))
+        stamps = Path(spec["stamp_dir"], "stamps.jsonl")
+        deadline = time.monotonic() + timeout
+        killed = kill_at is None
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            if not killed and stamps.exists():
+                steps = [s["step"] for s in _read_lines(stamps) if s["event"] == "step"]
+                if steps and max(steps) >= kill_at:
+                    with stamps.open("a") as f:
+                        f.write(json.dumps({"event": "kill", "t": time.time(), "pid": os.getpid(), "step": max(steps)}))
+                        f.write("\n")
+                    cluster.kill(cluster.hosts[1])
+                    killed = True
+            time.sleep(0.02)
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        return [p.returncode for p in procs]
+
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
-        data = super().collect(opts)
+        self._cluster: netns.Cluster | None = None
+        self._netns_missing = netns.missing_requirements() if "netns" in opts.parts else None
+        with contextlib.ExitStack() as stack:
+            if "netns" in opts.parts and self._netns_missing is None:
+                self._cluster = stack.enter_context(netns.Cluster(2))
+            data = super().collect(opts)
         data["loadavg_end"] = os.getloadavg()
         data["arm_params"] = {a.name: a.params for a in self.experiment(opts).arms}
         return data
@@ -370,8 +474,8 @@ class Faults(harness.Benchmark):
         if rec:
             out += [
                 "",
-                f"### Recovery (kill -9 of every process, or of rank 1 alone, at a step, then the same command again;"
-                " backups every"
+                f"### Recovery (kill -9 of every process, of rank 1 alone, or of every process on host 1 of the"
+                " network-namespace cluster, at a step; then the same command again; backups every"
                 f" {st['recovery_every']} steps, async; MLP 64-1024-1024-10, 2 processes)",
                 "",
                 "Recovery = kill to the end of the first new step = relaunch + imports (rank 0's torch, Lightning,"
