@@ -16,7 +16,7 @@ one ``ds_mirrored`` task each started by TF_CONFIG alone, every process of host 
 rank 0 has done the step, then both tasks started again. Recovery time is from the kill to the end
 of the first new training step; steps lost are the steps done before the kill that the new run does again.
 
-    python benchmarks/faults.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--parts overhead recovery]
+    python benchmarks/faults.py [--quick] [--repeats 2] [--out DIR] [--render [JSON]] [--parts overhead recovery]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class Faults(harness.Benchmark):
     name = "faults"
     description = __doc__
     defaults = {
-        "repeats": 3,
+        "repeats": 2,  # about 13 minutes on a quiet 2-core machine; more where the cores are shared
         "steps": 100,
         "warmup": 10,
         "every": [10, 50, 200],
