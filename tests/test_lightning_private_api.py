@@ -40,6 +40,17 @@ IMPORTED: list[tuple[str, str, tuple[int, int]]] = [
     ("lightning.pytorch.strategies", "DDPStrategy._configure_launcher", (2, 4)),
     ("lightning.pytorch.strategies", "DDPStrategy._setup_model", (2, 4)),
     ("lightning.pytorch.strategies", "DDPStrategy._register_ddp_hooks", (2, 4)),
+    # BackupAndRestore preloads its backup and builds a checkpoint dict without Trainer.save_checkpoint's barrier.
+    (
+        "lightning.pytorch.trainer.connectors.checkpoint_connector",
+        "_CheckpointConnector.resume_start",
+        (2, 4),
+    ),
+    (
+        "lightning.pytorch.trainer.connectors.checkpoint_connector",
+        "_CheckpointConnector.dump_checkpoint",
+        (2, 4),
+    ),
     # Overridden by DSLightningCLI; Lightning 2.4 has no such step (it reads no hparams from --ckpt_path).
     ("lightning.pytorch.cli", "LightningCLI._parse_ckpt_path", (2, 5)),
 ]
@@ -86,3 +97,9 @@ def test_loop_data_sources_and_module_trainer_exist():
         assert callable(source.is_defined), f"Lightning {lightning.__version__}: {source!r}"
         assert callable(source.dataloader), f"Lightning {lightning.__version__}: {source!r}"
     assert LightningModule()._trainer is None
+
+
+def test_the_trainer_holds_its_checkpoint_connector():
+    trainer = Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    connector = trainer._checkpoint_connector
+    assert callable(connector.resume_start) and callable(connector.dump_checkpoint)

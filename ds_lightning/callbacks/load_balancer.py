@@ -14,8 +14,9 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ds_lightning import _validation as check
-from ds_lightning.callbacks._share_plan import SharePlan, split_sizes
-from ds_lightning.callbacks._share_sampler import ShareBatchSampler
+from ds_lightning.data.resumable import rebuild_loader
+from ds_lightning.data.share_plan import SharePlan, split_sizes
+from ds_lightning.data.share_sampler import ShareBatchSampler
 from ds_lightning.strategies.mirrored import MirroredStrategy
 
 __all__ = ["DynamicLoadBalancer"]
@@ -171,20 +172,14 @@ class DynamicLoadBalancer(Callback):
         workers = loader.num_workers
         # The loader may read this far ahead: a new plan starts after it, so no batch mixes two plans.
         self._lag = 2 + (workers * (loader.prefetch_factor or 2) if workers else 0)
-        return DataLoader(
-            dataset,
-            batch_sampler=batch_sampler,
-            num_workers=workers,
-            collate_fn=loader.collate_fn,
-            pin_memory=loader.pin_memory,
-            timeout=loader.timeout,
-            worker_init_fn=loader.worker_init_fn,
-            multiprocessing_context=loader.multiprocessing_context,
-            prefetch_factor=loader.prefetch_factor if workers else None,
-            persistent_workers=loader.persistent_workers if workers else False,
-        )
+        return rebuild_loader(loader, batch_sampler)
 
     # --- measuring and weighting ------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # A run restored mid-epoch gets no on_train_epoch_start: its epoch began this many batches ago.
+        self._epoch_start = self.batches - trainer.fit_loop.epoch_loop.batch_progress.current.processed
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

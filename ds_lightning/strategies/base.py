@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.data.resumable import DataCursor, position_loader
 from ds_lightning.environments._interfaces import pin_socket_interfaces
 from ds_lightning.environments.rendezvous import rendezvous_store
 from ds_lightning.environments.tf_config import TFConfig, TFConfigEnvironment, TFConfigError
@@ -257,6 +258,8 @@ class ClusterStrategy(DDPStrategy):
             **kwargs,
         )
         self._tf_config: TFConfig | None = None
+        #: Set by :class:`~ds_lightning.callbacks.BackupAndRestore`: where a restored run's training data goes on.
+        self.data_cursor: DataCursor | None = None
 
     def _refuse_ddp_options(self, why: str) -> None:
         """For a subclass that does not wrap the model in torch's DDP: refuse the options that would be ignored.
@@ -319,6 +322,25 @@ class ClusterStrategy(DDPStrategy):
         config = self._tf_config
         hosts = {host for tasks in config.cluster.values() for host, _ in tasks} if config is not None else set()
         return self.num_nodes > 1 or len(hosts) > 1
+
+    # --- data -----------------------------------------------------------------------------------------------------
+
+    @property
+    def _fitting_now(self) -> bool:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.training
+
+    def _shape_train_loader(self, dataloader: Any) -> Any:
+        """A subclass's own change to the training loader, made before it is positioned for a restore."""
+        return dataloader
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        training = self._fitting_now
+        if training:
+            dataloader = self._shape_train_loader(dataloader)
+        return position_loader(self, dataloader, self.data_cursor, training)
 
     # --- process group --------------------------------------------------------------------------------------------
 

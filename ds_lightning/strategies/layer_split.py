@@ -22,6 +22,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.data.resumable import DataCursor, position_loader
 from ds_lightning.pipeline.microbatch import MicroBatchedSequential
 from ds_lightning.pipeline.partition import check_balance, resolve_balance
 from ds_lightning.pipeline.profile import auto_balance
@@ -187,6 +188,8 @@ class LayerSplitStrategy(SingleDeviceStrategy):
         self.activation_checkpointing = activation_checkpointing
         self._balance_used: list[int] | None = None
         self._original: nn.Sequential | None = None
+        #: Set by :class:`~ds_lightning.callbacks.BackupAndRestore`: where a restored run's training data goes on.
+        self.data_cursor: DataCursor | None = None
 
     @classmethod
     @override
@@ -333,6 +336,11 @@ class LayerSplitStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         self._restore()
         super().teardown()  # moves the (restored) module and the optimizer states to the CPU
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        return position_loader(self, dataloader, self.data_cursor, trainer is not None and trainer.training)
 
     # --- checkpoints -------------------------------------------------------------------------------------------------
 

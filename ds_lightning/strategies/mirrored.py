@@ -217,11 +217,15 @@ class MirroredStrategy(ClusterStrategy):
     # --- data -----------------------------------------------------------------------------------------------------
 
     @override
+    def _shape_train_loader(self, dataloader: Any) -> Any:
+        return self._train_loader_factory(dataloader) if self._train_loader_factory is not None else dataloader
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
-        if self._train_loader_factory is not None and trainer is not None and trainer.training:
-            return self._train_loader_factory(dataloader)  # equal step counts by construction
+        if self._fitting_now and (self._train_loader_factory is not None or self.data_cursor is not None):
+            return dataloader  # equal step counts by construction
         # Prediction deliberately gives ranks uneven shards and runs no collectives per batch.
         if not self.even_batches or (trainer is not None and trainer.state.fn == TrainerFn.PREDICTING):
             return dataloader

@@ -14,8 +14,8 @@ from torch.testing import assert_close
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from ds_lightning.callbacks import DynamicLoadBalancer
-from ds_lightning.callbacks._share_plan import SharePlan, split_sizes
-from ds_lightning.callbacks._share_sampler import ShareBatchSampler
+from ds_lightning.data.share_plan import SharePlan, split_sizes
+from ds_lightning.data.share_sampler import ShareBatchSampler
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from tests.helpers.models import TinyData, TinyModule
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args

@@ -16,7 +16,7 @@ from ds_lightning.testing.processes import free_port
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "examples" / "configs"
 
-__all__ = ["CONFIGS", "REPO", "Run", "ds_train", "free_port", "quiet_trainer_args", "worker_env"]
+__all__ = ["CONFIGS", "REPO", "Run", "ds_train", "free_port", "quiet_trainer_args", "run_module", "worker_env"]
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -37,7 +37,15 @@ class Run:
 
 def ds_train(args: list[str], timeout: float = 180, env: dict[str, str] | None = None, check: bool = True) -> Run:
     """Run ``ds-train`` (through ``python -m ds_lightning.cli``) and return its exit code and output."""
-    cmd = [sys.executable, "-m", "ds_lightning.cli", *args]
+    run = run_module("ds_lightning.cli", args, timeout, env)
+    if check:
+        assert run.returncode == 0, f"ds-train {' '.join(args)} failed ({run.returncode}):\n{run.output[-6000:]}"
+    return run
+
+
+def run_module(module: str, args: list[str], timeout: float = 180, env: dict[str, str] | None = None) -> Run:
+    """Run ``python -m module args`` from the repository root (one thread, a free port) and return what it did."""
+    cmd = [sys.executable, "-m", module, *args]
     start = time.monotonic()
     proc = subprocess.run(
         cmd,
@@ -48,10 +56,7 @@ def ds_train(args: list[str], timeout: float = 180, env: dict[str, str] | None =
         text=True,
         timeout=timeout,
     )
-    run = Run(proc.returncode, proc.stdout, time.monotonic() - start)
-    if check:
-        assert run.returncode == 0, f"ds-train {' '.join(args)} failed ({run.returncode}):\n{run.output[-6000:]}"
-    return run
+    return Run(proc.returncode, proc.stdout, time.monotonic() - start)
 
 
 def quiet_trainer_args(root: Path) -> list[str]:

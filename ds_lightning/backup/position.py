@@ -1,0 +1,53 @@
+"""Where a run stands, beyond what Lightning saves: each rank's random states and the sample it reached.
+
+Lightning counts the run's position in batches; a batch is ``batch_size x world_size`` samples, so on another number
+of processes the same position is another number of batches. These helpers count it in samples and move Lightning's
+counters to match.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["move_batch_counters", "random_states", "set_random_states"]
+
+
+def random_states() -> dict[str, Any]:
+    """This process's random states, as tensors and plain numbers (they load with ``weights_only=True``)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    states: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": random.getstate(),
+        "numpy": [name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss), float(cached)],
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_random_states(states: dict[str, Any]) -> None:
+    """Restore :func:`random_states`' output."""
+    torch.set_rng_state(states["torch"])
+    version, keys, gauss = states["python"]
+    random.setstate((version, tuple(keys), gauss))
+    name, keys, pos, has_gauss, cached = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    if "cuda" in states and torch.cuda.is_available():
+        for device, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
+
+
+def move_batch_counters(trainer: Any, batches: int) -> None:
+    """Shift the epoch's batch counters of a restored ``trainer`` so that ``batches`` batches count as processed.
+
+    Used when a backup from another world size is restored: Lightning's counters are in batches of the old size.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    delta = batches - progress.current.processed
+    for tracker in (progress.current, progress.total):
+        for field in ("ready", "started", "processed", "completed"):
+            setattr(tracker, field, max(0, getattr(tracker, field) + delta))

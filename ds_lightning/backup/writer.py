@@ -1,0 +1,74 @@
+"""Writing backups off the training loop: the loop pays for a copy of the state, a thread for the file."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.apply_func import apply_to_collection
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from ds_lightning.backup.store import BackupStore
+
+__all__ = ["BackupWriter"]
+
+
+def _detached_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    # Training goes on changing the parameters and optimizer state in place while the file is written.
+    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+
+
+class BackupWriter(CheckpointIO):
+    """A ``CheckpointIO`` that writes through a :class:`BackupStore`, in a background thread when ``async_save``.
+
+    A save first waits for the one before it, so at most one write runs and the files appear in step order. The
+    strategy hands this writer the consolidated checkpoint on the process that writes (rank 0), exactly as it would
+    hand its own ``checkpoint_io``.
+
+    Args:
+        store: where the files go.
+        async_save: return once the state is copied to host memory; the file is written by a thread.
+
+    """
+
+    def __init__(self, store: BackupStore, async_save: bool) -> None:
+        self.store = store
+        self.async_save = async_save
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        self.wait()
+        snapshot = _detached_copy(checkpoint)
+        if not self.async_save:
+            self.store.write(snapshot, Path(path))
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_lightning-backup")
+        self._pending = self._pool.submit(self.store.write, snapshot, Path(path))
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; re-raise its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    @override
+    def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
+        return torch.load(path, map_location=map_location or "cpu", weights_only=weights_only is not False)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        Path(path).unlink(missing_ok=True)
+
+    @override
+    def teardown(self) -> None:
+        self.wait()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

@@ -1,0 +1,281 @@
+"""``BackupAndRestore``: back the run up as it trains, and resume it exactly when it starts again."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from ds_lightning import _validation as check
+from ds_lightning.backup.position import move_batch_counters, random_states, set_random_states
+from ds_lightning.backup.preemption import PreemptionWatch
+from ds_lightning.backup.store import BackupStore
+from ds_lightning.backup.writer import BackupWriter
+from ds_lightning.callbacks._batch_geometry import data_parallel_size, samples_per_micro_step
+from ds_lightning.data.resumable import DataCursor
+from ds_lightning.strategies import ParameterServerStrategy
+
+__all__ = ["BackupAndRestore"]
+
+log = logging.getLogger(__name__)
+
+#: The checkpoint entry holding what Lightning does not save: the sample reached and every rank's random states.
+CHECKPOINT_KEY = "ds_backup"
+_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGUSR2", "SIGHUP")
+
+
+class BackupAndRestore(Callback):
+    """Back training up every few steps; when ``fit`` starts and ``backup_dir`` holds a backup, go on from it.
+
+    The resumed run is the interrupted one: model, optimizers, LR schedulers, loop counters, every rank's random
+    states, the sample reached inside the epoch, and every ds_lightning state that the strategy and callbacks save
+    (PowerSGD memory, the load balancer's plan, the LR-scaling factor, the loss scaler, the parameter servers' shards
+    and clocks, the pipeline's stages) come back, with no ``ckpt_path`` and no code from the user. Every sample is
+    still used once per epoch: the epoch's order depends on the seed and the epoch only, and the position is kept in
+    samples, so a backup also resumes on another number of processes (keep the global batch with
+    ``GradientAccumulation(global_batch_size=...)`` to continue the same training).
+
+    Backups are taken after an optimizer step, written to a temporary name, synced and renamed, so a process killed
+    mid-write leaves the previous backup whole; the newest ``keep`` are kept. With ``async_save`` the loop only waits
+    for a copy of the state in host memory, and a thread writes the file.
+
+    Preemption: on SIGTERM or SIGUSR1 (what Kubernetes and SLURM send before stopping a job) every rank takes a
+    backup at the next optimizer step, at a step all ranks agree on, then the process exits with ``exit_code``; if that
+    has not happened within ``grace_seconds``, it exits anyway and the previous backup stands.
+
+    ``backup_dir`` must be the same directory for every process (shared storage across hosts). Under
+    ``ds_parameter_server`` the chief writes the backups, with the servers' state; an asynchronous run resumes from
+    its last backup but is not bit-exact.
+
+    Args:
+        backup_dir: where the backups live.
+        every_n_train_steps: back up after every n-th optimizer step; ``None`` for none by step count.
+        every_n_seconds: also back up when this long has passed since the last backup (rank 0's clock decides).
+        keep: how many of the newest backups to keep.
+        async_save: write the file in a background thread.
+        grace_seconds: the longest a preempted process keeps running after the signal.
+        exit_code: the code a preempted process exits with (42, as TensorFlow's preemption handler; a SLURM job
+            script can requeue on it).
+        signals: the signals that mean preemption.
+
+    Raises:
+        ValueError: for an out-of-range option, naming the value and the fix.
+
+    """
+
+    def __init__(
+        self,
+        backup_dir: str,
+        every_n_train_steps: int | None = 100,
+        every_n_seconds: float | None = None,
+        keep: int = 2,
+        async_save: bool = True,
+        grace_seconds: float = 30.0,
+        exit_code: int = 42,
+        signals: tuple[str, ...] = ("SIGTERM", "SIGUSR1"),
+    ) -> None:
+        if not isinstance(backup_dir, str) or not backup_dir:
+            raise ValueError(f"backup_dir={backup_dir!r} must name a directory, e.g. BackupAndRestore('backups/run1').")
+        check.optional_integer(
+            "every_n_train_steps", every_n_train_steps, 1, "BackupAndRestore(backup_dir, every_n_train_steps=100)"
+        )
+        if every_n_seconds is not None:
+            check.number("every_n_seconds", every_n_seconds, "BackupAndRestore(dir, every_n_seconds=600)", above=0)
+        check.integer("keep", keep, 1, "BackupAndRestore(backup_dir, keep=2)")
+        check.number("grace_seconds", grace_seconds, "BackupAndRestore(backup_dir, grace_seconds=30)", above=0)
+        check.flag("async_save", async_save)
+        if not check.is_int(exit_code) or not 0 <= exit_code <= 255:
+            raise ValueError(f"exit_code={exit_code!r} must be a process exit code in 0..255, e.g. exit_code=42.")
+        unknown = [s for s in signals if s not in _SIGNALS]
+        if unknown:
+            raise ValueError(f"signals={list(signals)!r} names {unknown}; choose among {list(_SIGNALS)}.")
+        self.backup_dir = backup_dir
+        self.every_n_train_steps = every_n_train_steps
+        self.every_n_seconds = every_n_seconds
+        self.keep = keep
+        self.async_save = async_save
+        self.grace_seconds = float(grace_seconds)
+        self.exit_code = exit_code
+        self.signals = tuple(signals)
+        self.restored_from: str | None = None  # the backup this fit resumed from
+        self.backups_taken = 0
+        self._store = BackupStore(backup_dir, keep)
+        self._writer = BackupWriter(self._store, async_save)
+        self._watch = PreemptionWatch([signal.Signals[s] for s in self.signals], self.grace_seconds, exit_code)
+        self._cursor = DataCursor()
+        self._restored: dict[str, Any] | None = None
+        self._active = False
+        self._last_step = 0
+        self._last_time = 0.0
+
+    # --- start: find the backup and have Lightning restore it ------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = trainer.strategy
+        self._active = stage == "fit" and not getattr(strategy, "is_server", False)  # servers get state from the chief
+        if not self._active:
+            return
+        # Run after every other callback, so a backup holds what they recorded for the step.
+        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
+        if hasattr(strategy, "data_cursor"):
+            strategy.data_cursor = self._cursor
+        else:
+            rank_zero_warn(
+                f"BackupAndRestore under {type(strategy).__name__} restores everything but the position inside an"
+                " epoch: a run resumed mid-epoch starts that epoch's data again. Use a ds strategy (e.g."
+                " strategy='ds_mirrored') to resume at the exact sample."
+            )
+        self._cursor.clear()
+        self._restored, self.restored_from = None, None
+        latest = self._store.latest()
+        if trainer.is_global_zero:
+            self._store.remove_stale_temporaries()
+        if latest is not None:
+            rank_zero_info(f"BackupAndRestore: resuming from {latest}")
+            # Lightning loads a checkpoint only from fit(ckpt_path=...), decided before any hook runs; preloading it
+            # here makes the restore that follows use it (docs/lightning-private-api.md).
+            trainer._checkpoint_connector.resume_start(str(latest))
+            self.restored_from = str(latest)
+        self._watch.install()
+
+    @override
+    def on_load_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        saved = checkpoint.get(CHECKPOINT_KEY)
+        if not self._active or saved is None:
+            return
+        self._restored = saved
+        if not saved["epoch_complete"]:
+            self._cursor.resume_at(saved["epoch"], saved["samples"])
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self._active:
+            return
+        self._last_step, self._last_time = trainer.global_step, time.monotonic()
+        if self.restored_from is not None and trainer.ckpt_path not in (None, self.restored_from):
+            rank_zero_warn(
+                f"fit(ckpt_path={trainer.ckpt_path!r}) was restored instead of the backup {self.restored_from}; drop"
+                " ckpt_path to resume from the backups."
+            )
+            return
+        saved = self._restored
+        if saved is None:
+            return
+        per_step = samples_per_micro_step(trainer, "BackupAndRestore")
+        if per_step != saved["micro_batch_samples"]:  # another world size: batches of another size
+            done = trainer.num_training_batches if saved["epoch_complete"] else saved["samples"] // per_step
+            move_batch_counters(trainer, int(done))
+        states = saved["random_states"]
+        set_random_states(states[trainer.global_rank % len(states)])
+        rank_zero_info(
+            f"BackupAndRestore: resumed at step {trainer.global_step}, epoch {trainer.current_epoch}, sample"
+            f" {saved['samples']} of the epoch (saved by {saved['world_size']} process(es), now"
+            f" {data_parallel_size(trainer)} data-parallel)"
+        )
+
+    # --- what the backup holds beyond Lightning's own state ----------------------------------------------------------
+
+    @override
+    def on_save_checkpoint(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        if not self._active:
+            return
+        progress = trainer.fit_loop.epoch_loop.batch_progress.current
+        per_step = samples_per_micro_step(trainer, "BackupAndRestore")
+        checkpoint[CHECKPOINT_KEY] = {
+            "epoch": trainer.current_epoch,
+            "samples": progress.processed * per_step,
+            "epoch_complete": progress.processed >= trainer.num_training_batches,
+            "micro_batch_samples": per_step,
+            "world_size": data_parallel_size(trainer),
+            "random_states": _gather(trainer, random_states()),
+        }
+
+    # --- taking backups ----------------------------------------------------------------------------------------------
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        if not self._active or trainer.global_step == self._last_step:
+            return  # inside an accumulation window: not a point the run can resume from
+        self._last_step = step = trainer.global_step
+        timed = self.every_n_seconds is not None and time.monotonic() - self._last_time >= self.every_n_seconds
+        timed, preempted = _agree(trainer, timed, self._watch.received is not None)
+        due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
+        if due or timed or preempted:
+            self.save(trainer)
+        if preempted:
+            self._writer.wait()
+            rank_zero_info(f"BackupAndRestore: preempted; backed up at step {step}, exiting with code {self.exit_code}")
+            raise SystemExit(self.exit_code)
+
+    def save(self, trainer: pl.Trainer) -> None:
+        """Take a backup now (on every process at the same step, or on the chief alone under the parameter server)."""
+        strategy = trainer.strategy
+        if isinstance(strategy, ParameterServerStrategy) and not trainer.is_global_zero:
+            return  # the chief's backup holds the servers' state; the workers' own state is their data position
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        previous = strategy.checkpoint_io
+        strategy.checkpoint_io = self._writer
+        try:
+            strategy.save_checkpoint(checkpoint, self._store.path_for(trainer.global_step))
+        finally:
+            strategy.checkpoint_io = previous
+        self.backups_taken += 1
+        self._last_time = time.monotonic()
+
+    # --- end -------------------------------------------------------------------------------------------------------
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        if self._active:
+            try:
+                self._writer.wait()  # the backup in flight is still worth having
+            except Exception:  # the run's own exception is the one to report
+                log.exception("BackupAndRestore: the last backup could not be written")
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if not self._active:
+            return
+        self._writer.teardown()
+        self._watch.uninstall()
+        self._cursor.clear()
+        self._active = False
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"backups_taken": self.backups_taken}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.backups_taken = int(state_dict.get("backups_taken", 0))
+
+
+def _gather(trainer: pl.Trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's ``mine`` (only the chief's under the parameter server, whose workers save nothing)."""
+    if isinstance(trainer.strategy, ParameterServerStrategy) or not dist.is_initialized() or trainer.world_size == 1:
+        return [mine]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
+def _agree(trainer: pl.Trainer, *flags: bool) -> tuple[bool, ...]:
+    """Whether any rank raised each flag (every rank then acts at this same step)."""
+    if isinstance(trainer.strategy, ParameterServerStrategy) or not dist.is_initialized() or trainer.world_size == 1:
+        return flags  # workers of a parameter server act on their own
+    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=trainer.strategy.root_device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in tensor.tolist())

@@ -1,0 +1,179 @@
+"""BackupAndRestore: a run stopped at any step and started again ends as the uninterrupted run, with every sample used
+once per epoch, also on another number of processes; backups are atomic.
+
+Runs go through tests/helpers/backup_runs.py (real processes on gloo). A crash is every rank calling ``os._exit`` when
+an optimizer step starts; the restart is the same command again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ds_lightning.callbacks import BackupAndRestore
+from tests.helpers.backup_runs import DIED
+from tests.helpers.runner import run_module
+
+N = 96  # samples per epoch
+
+
+def train(tmp_path: Path, name: str, spec: dict[str, Any], expect: int = 0, timeout: float = 240) -> dict[str, Any]:
+    """Run one spec; return rank 0's summary (after a full run) and the output."""
+    out = tmp_path / name
+    spec = {"out": str(out), "n": N, "batch_size": 8, "max_epochs": 2, **spec}
+    spec.setdefault("backup_dir", str(tmp_path / f"{name}_backups"))
+    path = tmp_path / f"{name}-{expect}.json"
+    path.write_text(json.dumps(spec))
+    run = run_module("tests.helpers.backup_runs", [str(path)], timeout=timeout)
+    assert run.returncode == expect, run.output[-6000:]
+    result: dict[str, Any] = {"output": run.output}
+    if expect == 0:
+        result.update(json.loads(Path(f"{out}.json").read_text()))
+    return result
+
+
+def final_params(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(tmp_path / f"{name}.ckpt", weights_only=False)["state_dict"]
+
+
+def assert_same_params(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=atol, msg=lambda m, k=key: f"{k}: {m}")
+
+
+def samples_per_epoch(tmp_path: Path, name: str, replicas: bool = True) -> dict[int, list[int]]:
+    """The ids each epoch trained on, across ranks and restarts: steps a restart redid replace the lost ones.
+
+    ``replicas=False`` counts rank 0 only (the stages of one pipeline all read the same batches).
+    """
+    runs: list[tuple[int, int, list[dict[str, Any]]]] = []  # (attempt, first step, batches) of each rank's run
+    for log in sorted(tmp_path.glob(f"{name}.ids.rank{'*' if replicas else '0'}.jsonl")):
+        for line in log.read_text().splitlines():
+            entry = json.loads(line)
+            if "start" in entry:
+                runs.append((entry["attempt"], entry["start"], []))
+            else:
+                runs[-1][2].append(entry)
+    starts = {attempt: start for attempt, start, _ in runs}
+    per_epoch: dict[int, list[int]] = defaultdict(list)
+    for attempt, _, batches in runs:
+        until = min((s for a, s in starts.items() if a > attempt), default=float("inf"))
+        for entry in batches:
+            if entry["step"] < until:  # later steps were lost with the crash, and redone by the next attempt
+                per_epoch[entry["epoch"]] += entry["ids"]
+    return {epoch: sorted(ids) for epoch, ids in per_epoch.items()}
+
+
+# --- options (no processes) ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"backup_dir": ""}, "backup_dir=''"),
+        ({"every_n_train_steps": 0}, "every_n_train_steps=0"),
+        ({"every_n_seconds": -1.0}, "every_n_seconds=-1.0"),
+        ({"keep": 0}, "keep=0"),
+        ({"grace_seconds": 0}, "grace_seconds=0"),
+        ({"exit_code": 300}, "exit_code=300"),
+        ({"signals": ("SIGKILL",)}, "SIGKILL"),
+        ({"async_save": "yes"}, "async_save='yes'"),
+    ],
+)
+def test_options_are_checked_with_the_fix(kwargs: dict[str, Any], match: str) -> None:
+    options = {"backup_dir": "backups", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        BackupAndRestore(**options)
+
+
+# --- exact resume --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mirrored_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """ds_mirrored on 2 processes, uninterrupted (global batch 16 kept by accumulation when on 1 process)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    train(tmp, "ref", {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 4}})
+    return tmp, "ref"
+
+
+@pytest.mark.parametrize("die_at_step", [5, 9])
+def test_mirrored_resumes_exactly_with_every_sample_once(
+    tmp_path: Path, mirrored_reference: tuple[Path, str], die_at_step: int
+) -> None:
+    spec = {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 2}}
+    train(tmp_path, "cut", {**spec, "die_at_step": die_at_step}, expect=DIED)
+    resumed = train(tmp_path, "cut", {**spec, "attempt": 1})
+    assert resumed["restored_from"] is not None and "backup-step" in resumed["restored_from"]
+    assert resumed["global_step"] == 12  # 96 samples / 16 per step x 2 epochs: no step added or lost
+    assert_same_params(final_params(*mirrored_reference), final_params(tmp_path, "cut"), atol=1e-6)
+    epochs = samples_per_epoch(tmp_path, "cut")
+    assert epochs == {0: list(range(N)), 1: list(range(N))}
+    assert epochs == samples_per_epoch(*mirrored_reference)
+
+
+@pytest.mark.parametrize(("before", "after", "die_at_step", "restored"), [(2, 1, 5, 3), (1, 2, 8, 6)])
+def test_mirrored_resumes_on_another_world_size(
+    tmp_path: Path, mirrored_reference: tuple[Path, str], before: int, after: int, die_at_step: int, restored: int
+) -> None:
+    """Mid-epoch (step 3 of 6) from 2 processes onto 1, and at an epoch's end (step 6) from 1 onto 2."""
+    spec = {"global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 3, "async_save": False}}
+    train(tmp_path, "cut", {**spec, "devices": before, "die_at_step": die_at_step}, expect=DIED)
+    resumed = train(tmp_path, "cut", {**spec, "devices": after, "attempt": 1})
+    assert f"backup-step{restored:09d}" in resumed["restored_from"]
+    assert resumed["global_step"] == 12
+    assert_same_params(final_params(*mirrored_reference), final_params(tmp_path, "cut"), atol=1e-5)
+    assert samples_per_epoch(tmp_path, "cut") == {0: list(range(N)), 1: list(range(N))}
+
+
+# --- the other strategies ------------------------------------------------------------------------------------------
+
+
+def _resume_case(tmp_path: Path, before: dict[str, Any], after: dict[str, Any], die_at_step: int) -> None:
+    train(tmp_path, "ref", after)
+    train(tmp_path, "cut", {**before, "die_at_step": die_at_step}, expect=DIED)
+    resumed = train(tmp_path, "cut", {**after, "attempt": 1})
+    assert resumed["restored_from"] is not None
+    assert resumed["global_step"] == 12
+    replicas = before["strategy"] != "ds_pipeline"
+    assert samples_per_epoch(tmp_path, "cut", replicas) == {0: list(range(N)), 1: list(range(N))}
+
+
+@pytest.mark.parametrize(("stages_before", "stages_after"), [(2, 2), (2, 4)])
+def test_pipeline_resumes_exactly_also_onto_another_stage_count(
+    tmp_path: Path, stages_before: int, stages_after: int
+) -> None:
+    def spec(stages: int) -> dict[str, Any]:
+        return {
+            "strategy": "ds_pipeline",
+            "devices": stages,
+            "batch_size": 16,
+            "strategy_kwargs": {"n_microbatches": 4},
+            "backup": {"every_n_train_steps": 2, "async_save": False},
+        }
+
+    _resume_case(tmp_path, spec(stages_before), spec(stages_after), die_at_step=5)
+    assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
+
+
+@pytest.mark.parametrize(("servers_before", "servers_after"), [(1, 1), (1, 2)])
+def test_bulk_synchronous_parameter_server_resumes_exactly_also_onto_another_server_count(
+    tmp_path: Path, servers_before: int, servers_after: int
+) -> None:
+    def spec(servers: int) -> dict[str, Any]:
+        return {
+            "strategy": "ds_parameter_server",
+            "devices": 2,
+            "model": {"optimizer": "sgd", "lr": 0.05},
+            "strategy_kwargs": {"max_staleness": 0, "num_servers": servers, "min_shard_bytes": 1},
+            "backup": {"every_n_train_steps": 2, "async_save": False},
+        }
+
+    _resume_case(tmp_path, spec(servers_before), spec(servers_after), die_at_step=5)
+    assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)

@@ -1,0 +1,141 @@
+"""One training run with ``BackupAndRestore`` from a JSON spec; Lightning relaunches this script for every rank.
+
+Usage: ``python -m tests.helpers.backup_runs SPEC.json``. Every rank appends the sample ids of each batch it trains on
+to ``{out}.ids.rank{r}.jsonl`` (epoch, the optimizer step the batch belongs to, ids; each run starts with a mark
+naming its ``attempt``),
+flushed per batch so a killed run
+leaves its log. ``die_at_step`` kills every rank (``os._exit``) when that optimizer step starts, as a crash would; a
+run that ends writes ``{out}.ckpt`` (consolidated by the strategy) and ``{out}.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import ds_lightning
+from ds_lightning.callbacks import BackupAndRestore, GradientAccumulation, LRScaling
+
+FEATURES, CLASSES = 12, 3
+DIED = 17  # the exit code of a rank killed by die_at_step
+
+
+def make_data(n: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, FEATURES, generator=g)
+    return TensorDataset(x, (x @ torch.randn(FEATURES, CLASSES, generator=g)).argmax(1))
+
+
+class Net(pl.LightningModule):
+    """A small MLP meeting the ds_pipeline contract (``net`` and ``pipeline_loss``), trained by every strategy."""
+
+    def __init__(self, optimizer: str = "adam", lr: float = 0.01, dropout: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Dropout(dropout))]
+        layers += [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)]
+        self.net = nn.Sequential(*layers, nn.Linear(16, CLASSES))
+        self.optimizer, self.lr = optimizer, lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(output, target)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return self.pipeline_loss(self.net(x), y)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "sgd":
+            opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+        else:
+            opt = torch.optim.Adam(self.parameters(), lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class RecordIds(Callback):
+    """Log each batch's sample ids (found by row) and die at ``die_at_step``."""
+
+    def __init__(self, data: TensorDataset, out: str, die_at_step: int | None, attempt: int) -> None:
+        self.row_ids = {tuple(row.tolist()): i for i, row in enumerate(data.tensors[0])}
+        self.out, self.die_at_step, self.attempt = out, die_at_step, attempt
+        self._file: Any = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._file = open(f"{self.out}.ids.rank{trainer.global_rank}.jsonl", "a")  # noqa: SIM115 - closed at the end
+        mark = {"start": trainer.global_step, "attempt": self.attempt}  # each run's lines follow its own mark
+        self._file.write(json.dumps(mark) + "\n")
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
+        if trainer.global_step == self.die_at_step:
+            self._file.close()
+            os._exit(DIED)
+        ids = [self.row_ids[tuple(row.tolist())] for row in batch[0].cpu()]
+        self._file.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step, "ids": ids}) + "\n")
+        self._file.flush()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._file.close()
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    pl.seed_everything(spec.get("seed", 7), verbose=False)
+    out = spec["out"]
+    data = make_data(spec.get("n", 96))
+    callbacks: list[Callback] = [RecordIds(data, out, spec.get("die_at_step"), spec.get("attempt", 0))]
+    if spec.get("global_batch"):
+        callbacks.append(GradientAccumulation(global_batch_size=spec["global_batch"]))
+    if spec.get("lr_scaling"):
+        callbacks.append(LRScaling(base_batch_size=spec["global_batch"] // 2))
+    callbacks.append(BackupAndRestore(spec["backup_dir"], **spec.get("backup", {})))
+    name = spec.get("strategy", "ds_mirrored")
+    strategy: Any = name
+    if name == "ds_parameter_server":
+        strategy = ds_lightning.ParameterServerStrategy(**spec.get("strategy_kwargs", {}))
+    elif name == "ds_pipeline":
+        strategy = ds_lightning.PipelineStrategy(**spec.get("strategy_kwargs", {}))
+    elif name == "ds_mirrored" and spec.get("strategy_kwargs"):
+        strategy = ds_lightning.MirroredStrategy(**spec["strategy_kwargs"])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=spec.get("devices", 2),
+        strategy=strategy,
+        max_epochs=spec.get("max_epochs", 2),
+        max_steps=spec.get("max_steps", -1),
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        logger=False,
+        callbacks=callbacks,
+        default_root_dir=str(Path(out).parent),
+    )
+    train = DataLoader(data, batch_size=spec.get("batch_size", 8), shuffle=True)
+    model = Net(**spec.get("model", {}))
+    trainer.fit(model, train)
+    if getattr(trainer.strategy, "is_server", False):
+        return
+    trainer.save_checkpoint(f"{out}.ckpt")
+    if trainer.global_rank == 0:
+        backup = next(c for c in trainer.callbacks if isinstance(c, BackupAndRestore))
+        summary = {"global_step": trainer.global_step, "restored_from": backup.restored_from}
+        Path(f"{out}.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
