@@ -26,40 +26,16 @@ from typing import Any  # noqa: E402
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning  # noqa: E402
+from ds_lightning.callbacks import BackupAndRestore  # noqa: E402
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule  # noqa: E402
 
 IMPORTED = time.time()
-
-try:
-    from ds_lightning.callbacks import BackupAndRestore
-except ImportError:  # before BackupAndRestore landed: ModelCheckpoint stands in, to develop the harness only
-    BackupAndRestore = None
-
-
-class _StandIn(ModelCheckpoint):
-    """ModelCheckpoint every n steps into the backup folder (resumed through ``ckpt_path``); not the real thing."""
-
-    def __init__(self, backup_dir: str, every_n_train_steps: int, keep: int, async_save: bool) -> None:
-        super().__init__(
-            dirpath=backup_dir,
-            filename="backup-{step:09d}",
-            every_n_train_steps=every_n_train_steps,
-            save_top_k=keep,
-            monitor="step",
-            mode="max",
-            save_on_train_epoch_end=False,
-        )
-
-
-def _stand_in_ckpt(backup_dir: str) -> str | None:
-    found = sorted(Path(backup_dir).glob("backup-*.ckpt"))
-    return str(found[-1]) if found else None
 
 
 class Stamps(Callback):
@@ -158,17 +134,12 @@ def main(spec_path: str) -> None:
     callbacks: list[Callback] = []
     stamps = Stamps(spec.get("stamp_dir"), spec.get("kill_at"), spec.get("kill_rank"))
     callbacks.append(stamps)
-    ckpt_path = None
     times: dict[str, list[float]] = {}
     backup = spec.get("backup")
     if backup:
         kwargs = {"every_n_train_steps": backup["every"], "keep": 2, "async_save": backup["async"]}
-        if BackupAndRestore is not None:
-            callbacks.append(BackupAndRestore(spec["backup_dir"], **kwargs))
-            times = _instrument(callbacks[-1])
-        else:
-            callbacks.append(_StandIn(spec["backup_dir"], **kwargs))
-            ckpt_path = _stand_in_ckpt(spec["backup_dir"])
+        callbacks.append(BackupAndRestore(spec["backup_dir"], **kwargs))
+        times = _instrument(callbacks[-1])
     data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
     data.setup("fit")
     assert data.train_set is not None
@@ -178,7 +149,7 @@ def main(spec_path: str) -> None:
         strategy=_strategy(spec),
         max_steps=spec["max_steps"],
         logger=False,
-        enable_checkpointing=BackupAndRestore is None and bool(backup),
+        enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         limit_val_batches=0,
@@ -188,7 +159,7 @@ def main(spec_path: str) -> None:
     loader = DataLoader(data.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
     model = DigitsClassifier(hidden_sizes=spec["hidden"], lr=0.01)
     model.train_acc.sync_on_compute = False  # nothing reads it; no collective at every epoch end
-    trainer.fit(model, train_dataloaders=loader, ckpt_path=ckpt_path)
+    trainer.fit(model, train_dataloaders=loader)  # no ckpt_path: BackupAndRestore resumes on its own
     if getattr(trainer.strategy, "is_server", False):
         sys.stdout.flush()
         os._exit(0)
@@ -199,7 +170,6 @@ def main(spec_path: str) -> None:
     warmup = spec.get("warmup", 0)
     timed = intervals[warmup:]
     record = {
-        "stand_in": BackupAndRestore is None,
         "params": sum(p.numel() for p in model.parameters()),
         "first_step": stamps.first_step,
         "last_step": trainer.global_step,

@@ -219,7 +219,6 @@ class Faults(harness.Benchmark):
         r = found["result"]
         return {
             "rc": found["rc"],
-            "stand_in": r["stand_in"],
             "params": r["params"],
             "backups": len(r["backups"]),
             # Within one run, the backups lift the mean over the median (the usual step): a figure that load drifting
@@ -259,7 +258,6 @@ class Faults(harness.Benchmark):
         return {
             "rc": found["rc"],
             "first_rc": first_rc,
-            "stand_in": r["stand_in"],
             "last_step": r["last_step"],
             **recovery_reading(stamps, every),
         }
@@ -306,7 +304,6 @@ class Faults(harness.Benchmark):
         return {
             "rc": second[0],
             "first_rc": first[0],
-            "stand_in": r["stand_in"],
             "last_step": r["last_step"],
             **recovery_reading(_read_lines(stamp_dir / "stamps.jsonl"), opts.recovery_every),
         }
@@ -401,8 +398,6 @@ class Faults(harness.Benchmark):
             " machine is shared: other jobs ran beside this one, so single runs are noisy; read the medians and the"
             f" per-repeat spread). {st['repeats']} interleaved repeat(s); median [min - max] over repeats.",
         ]
-        if any(r.get("stand_in") for r in harness.ok(data["records"])):
-            out += ["", "**Stand-in**: these runs used ModelCheckpoint, not BackupAndRestore (not yet available)."]
         over = [a for a in data["arms"] if params[a]["part"] == "overhead"]
         if over:
             out += [

@@ -74,7 +74,6 @@ def _records() -> list[dict[str, Any]]:
                     "repeat": rep,
                     "order": 0,
                     "seconds": 1.0,
-                    "stand_in": False,
                     "params": 1126410,
                     "mean_step_ms": ms,
                     "median_step_ms": ms,
@@ -90,7 +89,6 @@ def _records() -> list[dict[str, Any]]:
                 "repeat": rep,
                 "order": 3,
                 "seconds": 30.0,
-                "stand_in": False,
                 **recovery_reading(_stamps(), every=20),
             }
         )
