@@ -182,6 +182,7 @@ def main(spec_path: str) -> None:
         "backups": sorted(p.name for p in Path(spec["backup_dir"]).glob("*.ckpt")) if backup else [],
         # Rank 0's time in BackupAndRestore.save (what the loop waits for) and in writing each file.
         **{k: statistics.median(v) if v else None for k, v in times.items()},
+        **{f"{k}_all": v for k, v in times.items()},
         "backups_taken": getattr(callbacks[-1], "backups_taken", None) if backup else 0,
     }
     Path(spec["out_dir"], "result.json").write_text(json.dumps(record))
