@@ -516,31 +516,36 @@ class Faults(harness.Benchmark):
         import matplotlib.pyplot as plt
 
         s, params = data["summary"]["arms"], data["arm_params"]
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+        fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 4.5))
         over = [a for a in data["arms"] if params[a]["part"] == "overhead" and params[a]["backup"]]
-        series: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-        for arm in over:
-            p = params[arm]
-            if s[arm].get("overhead_ratio"):
-                label = f"{p['model']} {'async' if p['backup']['async'] else 'sync'}"
-                series.setdefault(label, []).append((p["backup"]["every"], s[arm]["overhead_ratio"]))
-        for i, (label, pts) in enumerate(sorted(series.items())):
-            pts.sort(key=lambda x: x[0])
-            xs = [e for e, _ in pts]
-            med = [r["median"] for _, r in pts]
-            err = [
-                [m - r["min"] for m, (_, r) in zip(med, pts, strict=True)],
-                [r["max"] - m for m, (_, r) in zip(med, pts, strict=True)],
-            ]
-            style = "-" if "async" in label else "--"
-            ax1.errorbar(xs, med, yerr=err, fmt="o" + style, capsize=3, label=label, color=f"C{i // 2}")
-        if series:
-            ax1.axhline(TARGET, color="red", lw=0.8, ls=":", label=f"target {TARGET:.2f}x at every {TARGET_EVERY}")
-            ax1.set_xscale("log")
-            ax1.legend(fontsize=8)
-        ax1.set_xlabel("backup every n steps")
-        ax1.set_ylabel("mean step time / no backup")
-        ax1.set_title("BackupAndRestore overhead (ds_mirrored, 2 procs)")
+        for ax, key, ylabel in (
+            (ax0, "overhead_ratio", "mean step / no backup's (same repeat)"),
+            (ax1, "inrun_ratio", "in-run: (mean/median) / no backup's"),
+        ):
+            series: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+            for arm in over:
+                p = params[arm]
+                if s[arm].get(key):
+                    label = f"{p['model']} {'async' if p['backup']['async'] else 'sync'}"
+                    series.setdefault(label, []).append((p["backup"]["every"], s[arm][key]))
+            for i, (label, pts) in enumerate(sorted(series.items())):
+                pts.sort(key=lambda x: x[0])
+                med = [r["median"] for _, r in pts]
+                err = [
+                    [m - r["min"] for m, (_, r) in zip(med, pts, strict=True)],
+                    [r["max"] - m for m, (_, r) in zip(med, pts, strict=True)],
+                ]
+                style = "-" if "async" in label else "--"
+                xs = [e for e, _ in pts]
+                ax.errorbar(xs, med, yerr=err, fmt="o" + style, capsize=3, label=label, color=f"C{i // 2}")
+            if series:
+                ax.axhline(TARGET, color="red", lw=0.8, ls=":", label=f"target {TARGET:.2f}x at every {TARGET_EVERY}")
+                ax.set_xscale("log")
+                ax.legend(fontsize=8)
+            ax.set_xlabel("backup every n steps")
+            ax.set_ylabel(ylabel)
+        ax0.set_title("BackupAndRestore overhead, A/B (ds_mirrored, 2 procs)")
+        ax1.set_title("BackupAndRestore overhead, within each run")
         rec = [a for a in data["arms"] if params[a]["part"] == "recovery" and s[a].get("recovery_s")]
         bottom = [0.0] * len(rec)
         for k, label in zip(
