@@ -8,7 +8,7 @@ DOCS_STAMP := $(VENV)/.ds_lightning-docs-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup cluster-tools demo test test-gpu test-versions lint docs bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster clean
+.PHONY: setup cluster-tools demo test test-gpu test-versions lint docs bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster bench-faults clean
 
 setup: $(STAMP)
 
@@ -80,6 +80,9 @@ bench-precision: setup
 
 bench-cluster: setup cluster-tools
 	$(PY) benchmarks/cluster.py
+
+bench-faults: setup
+	$(PY) benchmarks/faults.py
 
 clean:
 	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache
