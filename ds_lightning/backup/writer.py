@@ -44,10 +44,10 @@ class BackupWriter(CheckpointIO):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
         self.wait()
-        snapshot = _detached_copy(checkpoint)
         if not self.async_save:
-            self.store.write(snapshot, Path(path))
+            self.store.write(checkpoint, Path(path))  # training waits for the file: no copy needed
             return
+        snapshot = _detached_copy(checkpoint)
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_lightning-backup")
         self._pending = self._pool.submit(self.store.write, snapshot, Path(path))
