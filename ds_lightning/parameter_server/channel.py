@@ -15,6 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_lightning.environments.tf_config import TFConfig
+from ds_lightning.parameter_server.elastic import restart_count
 
 _GENERATION = [0]  # fits with this strategy so far in this process; every process of a run counts alike
 
@@ -42,6 +43,7 @@ def connect_servers(
     server_index: int | None,
     timeout_seconds: float,
     servers: list[subprocess.Popen],
+    host: str | None = None,
 ) -> Any:
     """Form the channel's gloo group; this process is ``rank`` of ``size`` (workers first, then servers).
 
@@ -52,19 +54,21 @@ def connect_servers(
         server_index: this server's index, ``None`` on a worker.
         timeout_seconds: how long forming the group (and any later wait on it) may take.
         servers: the server processes this process started and watches while the group forms.
+        host: the address this process binds to; ``None``: its ``TF_CONFIG`` entry, or loopback without one.
 
     Raises:
         RuntimeError: when a watched server exits before the group formed.
 
     """
     _GENERATION[0] += 1
-    host, port = store_address(tf)
+    address, port = store_address(tf)
     timeout = timedelta(seconds=timeout_seconds)
-    store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [dist.ProcessGroupGloo.create_device(hostname=own_host(tf, server_index))]
-    prefix = dist.PrefixStore(f"ds_parameter_server/{_GENERATION[0]}/", store)
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=host or own_host(tf, server_index))]
+    # torchrun's store outlives a restart of the group: the restarted processes must not read the old keys.
+    prefix = dist.PrefixStore(f"ds_parameter_server/{restart_count()}/{_GENERATION[0]}/", store)
     if not servers:
         return dist.ProcessGroupGloo(prefix, rank, size, options)
     made: dict[str, Any] = {}

@@ -1,4 +1,7 @@
-"""How ``ds_parameter_server`` processes start: workers as Lightning starts DDP ranks, servers beside them."""
+"""How ``ds_parameter_server`` processes start: workers as Lightning starts DDP ranks, servers beside them.
+
+Under torchrun (or any launcher that creates the processes) the launcher starts nothing: torchrun started them all.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.fabric.strategies.launchers.subprocess_script import _basic_subprocess_cmd
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
@@ -54,28 +56,6 @@ class LaunchedStrategy(Protocol):
     def check_model(self, trainer: pl.Trainer) -> None:
         """Refuse a model the servers cannot train."""
         ...
-
-
-def refuse_torchrun(env: ClusterEnvironment | None) -> None:
-    """Stop a ``ds_parameter_server`` run that torchrun started, before any process group forms.
-
-    The servers are processes of their own that torchrun neither starts nor restarts: after an elastic restart they
-    would still serve the old group, and torchrun has no place to say where they run, so workers would wait for them
-    until ``timeout``.
-
-    Raises:
-        ValueError: under Lightning's ``TorchElasticEnvironment``, naming the launches that work.
-
-    """
-    if isinstance(env, TorchElasticEnvironment):
-        raise ValueError(
-            "ds_parameter_server cannot run under torchrun: its parameter servers are processes torchrun neither"
-            " starts nor restarts, and torchrun has no place to say where they run. Start it without torchrun:"
-            " `ds-train fit --config ...` on one machine, or one `ds-train` per TF_CONFIG task (ps, chief and"
-            " worker tasks; see docs/clusters.md) on several, and run the same command again to resume from"
-            " BackupAndRestore after a failure. To train under torchrun, use strategy=ds_mirrored (the numerics of"
-            " ds_parameter_server with max_staleness=0)."
-        )
 
 
 class _ServingFinished(Exception):

@@ -74,6 +74,8 @@ class ParameterServer:
         staleness_lr: ``"none"`` or ``"inverse"``.
         max_updates: stop the workers after this many applied updates (``None``: never).
         timeout: seconds without any message before the server gives up.
+        fail_on_lost_worker: raise when a worker is lost instead of serving the others on (under torchrun, which
+            restarts the whole group anyway: the survivors must not train on without it before that).
 
     """
 
@@ -88,8 +90,10 @@ class ParameterServer:
         staleness_lr: str,
         max_updates: int | None,
         timeout: float,
+        fail_on_lost_worker: bool = False,
     ) -> None:
         self.pg = pg
+        self.fail_on_lost_worker = fail_on_lost_worker
         self.server = server
         self.num_workers = num_workers
         self.shard = shard
@@ -207,6 +211,11 @@ class ParameterServer:
             self._reply(worker, header, with_params=False)
         elif op == "lost":
             log.warning("parameter server %d lost worker %d: %s", self.server, worker, header.get("error"))
+            if self.fail_on_lost_worker:
+                raise RuntimeError(
+                    f"parameter server {self.server} lost worker {worker} ({header.get('error')}); under torchrun the"
+                    " whole group restarts and resumes from BackupAndRestore, so this server stops serving now."
+                )
             self._retire(worker, finished=False)
         else:
             raise ValueError(f"parameter server {self.server} got unknown op {op!r} from worker {worker}")

@@ -28,18 +28,28 @@ def serve_shard(
     staleness_lr: str,
     max_updates: int | None,
     timeout: float,
+    fail_on_lost_worker: bool = False,
 ) -> NoReturn:
     """Serve server ``server_index``'s shard of ``trainable`` until every worker finished or was lost.
 
     Raises:
         _ServingFinished: when done, for the launcher to end the process.
-        RuntimeError: when every worker was lost before finishing.
+        RuntimeError: when every worker was lost before finishing, or one was with ``fail_on_lost_worker``.
 
     """
     shard = ShardOptimizer(optimizer, dict(trainable), plan, server_index)
     slots = [SchedulerSlot(c.scheduler, c.interval, c.frequency) for c in scheduler_configs]
     server = ParameterServer(
-        pg, server_index, num_workers, shard, slots, max_staleness, staleness_lr, max_updates, timeout
+        pg,
+        server_index,
+        num_workers,
+        shard,
+        slots,
+        max_staleness,
+        staleness_lr,
+        max_updates,
+        timeout,
+        fail_on_lost_worker,
     )
     print(
         f"[ds_lightning] parameter server {server_index} serving {plan.server_numel(server_index)}"

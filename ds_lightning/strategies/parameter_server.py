@@ -13,7 +13,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
@@ -26,7 +25,6 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_lightning.environments.tf_config import TFConfig, TFConfigError
 from ds_lightning.parameter_server.channel import connect_servers
 from ds_lightning.parameter_server.checkpoint import (
     consolidated_state,
@@ -37,10 +35,12 @@ from ds_lightning.parameter_server.checkpoint import (
 )
 from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.collectives import LiveWorkerCollectives
-from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher, refuse_torchrun
+from ds_lightning.parameter_server.elastic import TorchrunPart, torchrun_part
+from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher
 from ds_lightning.parameter_server.optimizer_shard import check_server_optimizer, check_trainable_model
 from ds_lightning.parameter_server.options import StalenessLR, check_no_validation_under_budget, check_options
 from ds_lightning.parameter_server.push_compression import PushCompressionName
+from ds_lightning.parameter_server.roles import server_environment, tf_config_servers
 from ds_lightning.parameter_server.serving import serve_shard
 from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
@@ -54,7 +54,8 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
     CPU server processes beside them. Each server owns a size-balanced shard of the trainable parameters and runs the
     optimizer from ``configure_optimizers`` (and its LR schedulers) on it. Workers pull parameters, run the user's
     ``training_step`` and backward, and push gradients. Under ``TF_CONFIG``, ``ps`` tasks serve and ``chief``/``worker``
-    tasks train; every task runs the same command.
+    tasks train; every task runs the same command. Under torchrun, its last ``num_servers`` ranks serve and the others
+    train (see :mod:`ds_lightning.parameter_server.elastic`).
 
     The arguments ``DDPStrategy`` takes come first, in its positions (see
     :class:`~ds_lightning.strategies.ClusterStrategy`); the ones about torch's DDP wrapper are refused, since workers
@@ -75,7 +76,8 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         timeout: how long any wait may take (process groups, server replies) before it fails: seconds or a
             ``timedelta``; ``None`` means torch's default (30 minutes).
         start_method: only ``"popen"``: the chief starts the servers beside the workers.
-        num_servers: server processes (default 1); under ``TF_CONFIG`` the number of ``ps`` tasks.
+        num_servers: server processes (default 1); under ``TF_CONFIG`` the number of ``ps`` tasks; under torchrun
+            how many of its last ranks serve.
         max_staleness: ``None`` fully asynchronous; ``k >= 1`` stale synchronous (no worker more than ``k`` pushes
             ahead of the slowest live one); ``0`` bulk synchronous (one averaged update per step from every worker,
             the numerics of ``ds_mirrored``).
@@ -182,20 +184,32 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
 
     @property
     def num_workers(self) -> int:
-        """Training processes in the run: ``devices`` per chief/worker task."""
-        return self.num_nodes * self.num_processes
+        """Training processes in the run: ``devices`` per chief/worker task, or torchrun's ranks that do not serve."""
+        env = self.cluster_environment
+        return env.num_workers if isinstance(env, TorchrunPart) else self.num_nodes * self.num_processes
 
     @property
     def starts_local_servers(self) -> bool:
         """Whether the chief starts the servers on this machine (no ``TF_CONFIG``)."""
         return self.tf_config is None and self.fitting
 
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_workers, "rank": self.global_rank}
+
     @override
     def set_world_ranks(self) -> None:
-        config = self.adopt_cluster()
-        refuse_torchrun(self.cluster_environment)
+        # Once split (Lightning calls this again in setup_distributed), torchrun's node count is already adopted.
+        part = self.cluster_environment if isinstance(self.cluster_environment, TorchrunPart) else None
+        config = None if part is not None else self.adopt_cluster()
+        part = part or torchrun_part(self.cluster_environment, self.num_servers)
+        if part is not None:
+            self.cluster_environment, self._server_index = part, part.server_index
+            DDPStrategy.set_world_ranks(self)  # the part keeps torchrun's RANK; its world is the workers'
+            return
         if config is not None:
-            self._adopt_servers(config)
+            self.num_servers, self._server_index = tf_config_servers(config, self._num_servers_arg)
         elif self._num_nodes > 1:
             raise ValueError(
                 f"ds_parameter_server on num_nodes={self._num_nodes} needs TF_CONFIG to say where the servers run;"
@@ -204,24 +218,10 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         elif os.environ.get(SERVER_ENV) is not None:
             self._server_index = int(os.environ[SERVER_ENV])
         if self._server_index is not None:
-            env = LightningEnvironment()
-            env.set_world_size(self.num_workers)
-            env.set_global_rank(self.num_workers + self._server_index)
-            self.cluster_environment = env
+            self.cluster_environment = server_environment(self.num_workers, self._server_index)
             rank_zero_only.rank = self.num_workers + self._server_index  # servers never log
             return
         DDPStrategy.set_world_ranks(self)  # TF_CONFIG is adopted above
-
-    def _adopt_servers(self, config: TFConfig) -> None:
-        servers = len(config.cluster["ps"])  # adopt_cluster refused a cluster without a ps job
-        if self._num_servers_arg not in (None, servers):
-            raise TFConfigError(
-                f"num_servers={self._num_servers_arg} but TF_CONFIG lists {servers} ps task(s); leave num_servers"
-                " unset under TF_CONFIG, or make the cluster spec match."
-            )
-        self.num_servers = servers
-        if config.task_type == "ps":
-            self._server_index = config.task_index
 
     @override
     def _configure_launcher(self) -> None:
@@ -243,7 +243,9 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         launcher = self._launcher
         servers = launcher.servers if isinstance(launcher, WorkerLauncher) else []
         size = self.num_workers + self.num_servers
-        self._pg = connect_servers(self.tf_config, rank, size, self._server_index, self.timeout_seconds, servers)
+        env = self.cluster_environment
+        host = env.channel_host() if isinstance(env, TorchrunPart) else None
+        self._pg = connect_servers(self.tf_config, rank, size, self._server_index, self.timeout_seconds, servers, host)
 
     @override
     def setup_environment(self) -> None:
@@ -317,6 +319,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
             staleness_lr=self.staleness_lr,
             max_updates=self.max_updates,
             timeout=self.timeout_seconds,
+            fail_on_lost_worker=isinstance(self.cluster_environment, TorchrunPart),
         )
 
     # --- training step: pull, compute, push -----------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Under torchrun the node count comes from its current round, and gloo/NCCL use the interface towards MASTER_ADDR."""
+"""Under torchrun the node count comes from its current round, gloo/NCCL use the interface towards MASTER_ADDR, and
+ds_parameter_server serves on torchrun's last ranks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from lightning.pytorch import Trainer
 
 from ds_lightning.environments._interfaces import SOCKET_IFNAME_VARIABLES, _ipv4_of
 from ds_lightning.environments.torchelastic import elastic_num_nodes, pin_elastic_interfaces, route_source_address
+from ds_lightning.strategies import ParameterServerStrategy
 
 
 @pytest.fixture
@@ -59,9 +61,25 @@ def test_the_trainer_adopts_the_rounds_node_count(torchrun_round, strategy):
     assert trainer.global_rank == 2
 
 
-def test_ds_parameter_server_under_torchrun_fails_at_start_saying_what_to_do(torchrun_round):
-    with pytest.raises(ValueError, match=r"ds_parameter_server cannot run under torchrun.*TF_CONFIG.*ds_mirrored"):
-        Trainer(accelerator="cpu", devices=2, strategy="ds_parameter_server", logger=False)
+@pytest.mark.parametrize(("rank", "server"), [(0, None), (2, None), (3, 0)])
+def test_ds_parameter_server_under_torchrun_serves_on_the_last_ranks(torchrun_round, rank, server):
+    torchrun_round.setenv("RANK", str(rank))
+    trainer = Trainer(accelerator="cpu", devices=2, strategy="ds_parameter_server", logger=False)
+    strategy = trainer.strategy
+    assert strategy.num_servers == 1
+    assert strategy.num_workers == 3
+    assert strategy.is_server is (server is not None)
+    assert strategy._server_index == server
+    assert trainer.world_size == 3  # the workers' process group
+    assert trainer.global_rank == rank
+    assert trainer.num_nodes == 2
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 3, "rank": rank}
+    assert strategy.cluster_environment.creates_processes_externally  # torchrun started them all: no servers to start
+
+
+def test_ds_parameter_server_under_torchrun_without_a_worker_fails_at_start_naming_the_fix(torchrun_round):
+    with pytest.raises(ValueError, match=r"WORLD_SIZE=4 .*num_servers=4\).*at least 5 processes.*lower num_servers"):
+        Trainer(accelerator="cpu", devices=2, strategy=ParameterServerStrategy(num_servers=4), logger=False)
 
 
 def test_the_route_source_address_is_this_hosts_address_towards_the_target():
