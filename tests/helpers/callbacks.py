@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -187,3 +188,16 @@ class Heartbeat(Callback):
         Path(f"{target}.tmp").write_text(str(trainer.global_step))
         os.replace(f"{target}.tmp", target)  # readers never see a half-written number
         time.sleep(self.delay_s)
+
+
+class KillAt(Callback):
+    """Rank ``rank`` SIGKILLs itself after training step ``step``, in torchrun's first round only (none outside it)."""
+
+    def __init__(self, step: int, rank: int) -> None:
+        self.step = step
+        self.rank = rank
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
+        if first_round and trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
