@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_lightning.environments.tf_config import TFConfig
-from ds_lightning.parameter_server.elastic import restart_count
+from ds_lightning.parameter_server.elastic import store_round
 
 _GENERATION = [0]  # fits with this strategy so far in this process; every process of a run counts alike
 
@@ -67,8 +67,8 @@ def connect_servers(
     options = dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host or own_host(tf, server_index))]
-    # torchrun's store outlives a restart of the group: the restarted processes must not read the old keys.
-    prefix = dist.PrefixStore(f"ds_parameter_server/{restart_count()}/{_GENERATION[0]}/", store)
+    # torchrun's shared store outlives a restart of the group: the restarted processes must not read the old keys.
+    prefix = dist.PrefixStore(f"ds_parameter_server/{store_round()}/{_GENERATION[0]}/", store)
     if not servers:
         return dist.ProcessGroupGloo(prefix, rank, size, options)
     made: dict[str, Any] = {}

@@ -19,6 +19,7 @@ from ds_lightning.environments._interfaces import is_loopback
 from ds_lightning.environments.torchelastic import route_source_address
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 class TorchrunPart(TorchElasticEnvironment):
@@ -80,6 +81,14 @@ def torchrun_part(env: ClusterEnvironment | None, num_servers: int) -> TorchrunP
     return TorchrunPart(num_servers)
 
 
-def restart_count() -> int:
-    """How often torchrun restarted the group so far (0 outside torchrun); a restart's channel keys are new."""
+def store_round() -> int:
+    """Which group the store at ``MASTER_ADDR:MASTER_PORT`` serves now: 0, or torchrun's restarts when it is shared.
+
+    Under torchrun's default the workers share the agent's store, which outlives a restart and keeps the old group's
+    keys; the agents restart together, so their restart count tells the rounds apart. Otherwise (no torchrun, or
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: rank 0 hosts it) each group's store is new, and an agent started again
+    (a host back) counts its restarts from 0, so the count must not be used.
+    """
+    if os.environ.get(AGENT_STORE_ENV) != "True":
+        return 0
     return int(os.environ.get(RESTART_ENV, "0"))

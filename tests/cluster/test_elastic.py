@@ -9,6 +9,8 @@ resumes from the last backup:
   batch kept by ``GradientAccumulation(global_batch_size=...)``.
 
 Killing only the second host's trainers (its agent lives on and restarts them) is covered too, under ds_mirrored.
+Under ds_parameter_server the second host's one process is the parameter server (torchrun's last rank serves): killed
+with its agent and started again, the group (server included) restarts and resumes from the chief's backup.
 Every time the job ends with the parameters of the same run uninterrupted (1e-5). The rendezvous host is the one that
 survives: torchrun's c10d store lives in its agent (see docs/elastic.md).
 """
@@ -60,11 +62,30 @@ STRATEGIES = {
       trace_path: null
       timeout: {COLLECTIVE_TIMEOUT_S}
 """,
+    # Bulk synchronous (exact): rank 0 trains, rank 1 (the second host) serves.
+    "ds_parameter_server": f"""
+  strategy:
+    class_path: ds_lightning.strategies.ParameterServerStrategy
+    init_args:
+      num_servers: 1
+      max_staleness: 0
+      timeout: {COLLECTIVE_TIMEOUT_S}
+""",
 }
+
+
+#: The strategies whose every process trains (a round of one process still trains).
+REPLICATED = ("ds_mirrored", "ds_pipeline")
 
 
 def _config(root: Path, strategy: str) -> Path:
     """A digits run of MAX_STEPS optimizer steps with the global batch fixed, backed up every BACKUP_EVERY steps."""
+    accumulation = f"""
+    - class_path: ds_lightning.callbacks.GradientAccumulation
+      init_args:
+        global_batch_size: {GLOBAL_BATCH}"""
+    if strategy == "ds_parameter_server":
+        accumulation = ""  # one worker in every round: its batch is the global one
     text = f"""seed_everything: 0
 trainer:
   accelerator: cpu
@@ -78,10 +99,7 @@ trainer:
   enable_checkpointing: false
   logger: false
   default_root_dir: {root}
-  callbacks:
-    - class_path: ds_lightning.callbacks.GradientAccumulation
-      init_args:
-        global_batch_size: {GLOBAL_BATCH}
+  callbacks:{accumulation}
     - class_path: ds_lightning.callbacks.BackupAndRestore
       init_args:
         backup_dir: {root / "backups"}
@@ -149,7 +167,9 @@ def _wait_for_step(root: Path, step: int, nodes: list[ElasticNode], timeout: flo
         time.sleep(0.05)
 
 
-def _start(cluster: Cluster, root: Path, config: Path, port: int, which: list[int]) -> list[ElasticNode]:
+def _start(
+    cluster: Cluster, root: Path, config: Path, port: int, which: list[int], **options: str
+) -> list[ElasticNode]:
     first = cluster.hosts[0]
     args = ["-m", "ds_lightning.cli", "fit", f"--config={config}"]
     # The second host's agent first: it waits for the store, so the first round has both hosts. A round waits
@@ -164,6 +184,7 @@ def _start(cluster: Cluster, root: Path, config: Path, port: int, which: list[in
             cwd=REPO,
             pythonpath=[REPO],
             last_call_s=LAST_CALL_S,
+            **options,
         )
         for i, h in sorted(((i, cluster.hosts[i]) for i in which), reverse=True)
     ]
@@ -211,7 +232,7 @@ def _whole_run_batches(strategy: str, world_size: int) -> int:
     return MAX_STEPS * GLOBAL_BATCH // (PER_DEVICE_BATCH * replicas)
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", REPLICATED)
 def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrupted(
     cluster_factory, tmp_path, strategy
 ):
@@ -222,7 +243,7 @@ def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrup
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+@pytest.mark.parametrize("strategy", REPLICATED)
 def test_a_host_lost_for_good_leaves_the_survivors_to_finish_at_half_the_world_size_as_if_uninterrupted(
     cluster_factory, tmp_path, strategy
 ):
@@ -238,4 +259,31 @@ def test_killed_trainers_are_restarted_by_their_agent_and_the_run_ends_as_if_uni
     assert final["world_size"] == 2
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches("ds_mirrored", 2), "the restarted group trained from scratch"
+    torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
+
+
+def test_a_killed_parameter_server_host_comes_back_and_the_run_ends_as_if_uninterrupted(cluster_factory, tmp_path):
+    strategy = "ds_parameter_server"
+    reference = tmp_path / "reference"  # 1 worker, the chief starting the server, no torchrun
+    ds_train(["fit", f"--config={_config(reference, strategy)}", "--trainer.devices=1"], timeout=RUN_TIMEOUT)
+    expected = _final(reference)
+    cluster: Cluster = cluster_factory(2)
+    root = tmp_path / "elastic"
+    config = _config(root, strategy)
+    port = free_port()
+    # Both hosts in every round (a round of one would be a server with no worker, refused at start).
+    nodes = _start(cluster, root, config, port, [0, 1], nnodes="2")
+    _wait_for_step(root, random.randint(BACKUP_EVERY + 1, MAX_STEPS - 4), nodes)
+    cluster.kill(cluster.hosts[1])  # the server's host: its agent and the server
+    running = [node for node in nodes if node.host is cluster.hosts[0]] + _start(
+        cluster, root, config, port, [1], nnodes="2"
+    )
+    wait_all(running, RUN_TIMEOUT)
+    for node in running:
+        assert node.proc.returncode == 0, f"{node} exited with {node.proc.returncode}:\n{node.output[-6000:]}"
+    final = _final(root)
+    assert "parameter server 0 serving" in running[-1].output
+    assert final["world_size"] == 1
+    assert final["global_step"] == MAX_STEPS
+    assert final["batches_this_run"] < _whole_run_batches(strategy, 1), "the restarted group trained from scratch"
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
