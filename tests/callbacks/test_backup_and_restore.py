@@ -103,7 +103,7 @@ def mirrored_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     return tmp, "ref"
 
 
-@pytest.mark.parametrize("die_at_step", [5, 9])
+@pytest.mark.parametrize("die_at_step", [9])  # mid-epoch 1; the world-size cases stop mid-epoch 0 and at its end
 def test_mirrored_resumes_exactly_with_every_sample_once(
     tmp_path: Path, mirrored_reference: tuple[Path, str], die_at_step: int
 ) -> None:
@@ -186,18 +186,19 @@ def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_pat
     spec = {
         "strategy": "ds_parameter_server",
         "devices": 2,
-        "max_epochs": 4,
-        "model": {"lr": 0.05},
-        "strategy_kwargs": {"num_servers": 1, "timeout": 20},
-        "backup": {"every_n_train_steps": 3, "async_save": False},
+        "n": 192,  # 12 steps per worker and epoch; about 82% held-out after 5 epochs, the same with or without the loss
+        "max_epochs": 5,
+        "model": {"lr": 0.03},
+        "strategy_kwargs": {"num_servers": 1, "timeout": 60},  # a lost server is seen at once; load can slow a step
+        "backup": {"every_n_train_steps": 5, "async_save": False},
     }
     reference = train(tmp_path, "ref", spec)
-    lost = train(tmp_path, "cut", {**spec, "kill_server_at_step": 8}, expect=1)
+    lost = train(tmp_path, "cut", {**spec, "kill_server_at_step": 20}, expect=1)
     assert "Lost parameter server 0" in lost["output"]
     resumed = train(tmp_path, "cut", {**spec, "attempt": 1})
     restored_step = int(resumed["restored_from"].rsplit("step", 1)[1].split(".")[0])
-    assert 8 - 3 <= restored_step <= 8  # no more lost than the steps since the last backup
-    assert resumed["global_step"] >= 24  # the chief trained its 4 epochs (an asynchronous worker may take more)
+    assert 20 - 5 <= restored_step <= 20  # no more lost than the steps since the last backup
+    assert resumed["global_step"] >= 60  # the chief trained its 5 epochs (an asynchronous worker may take more)
     assert abs(resumed["accuracy"] - reference["accuracy"]) <= 0.02
 
 

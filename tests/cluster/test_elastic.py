@@ -17,11 +17,8 @@ survives: torchrun's c10d store lives in its agent (see docs/elastic.md).
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
 import random
-import signal
 import time
 from pathlib import Path
 
@@ -190,19 +187,11 @@ def _start(
     ]
 
 
-def _kill_trainers(cluster: Cluster, agent: ElasticNode) -> None:
-    """SIGKILLs every process in the agent's host except the agent itself (it sees its workers fail)."""
-    for pid in cluster.pids(agent.host):
-        if pid != agent.proc.pid:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-
-
 def _elastic_run(cluster_factory, tmp_path: Path, strategy: str, fault: str) -> tuple[dict, dict]:
     """Starts the job, hits the second host at a random step and returns (final, uninterrupted) parameters.
 
     ``fault``: ``"host back"`` kills its agent and trainers and starts its torchrun again, ``"host gone"`` kills them
-    for good, ``"trainers"`` kills its trainers only (its agent restarts them).
+    for good.
     """
     expected = _uninterrupted(tmp_path, strategy)
     cluster: Cluster = cluster_factory(2)
@@ -212,12 +201,8 @@ def _elastic_run(cluster_factory, tmp_path: Path, strategy: str, fault: str) -> 
     nodes = _start(cluster, root, config, port, [0, 1])
     kill_at = random.randint(BACKUP_EVERY + 1, MAX_STEPS - 4)
     _wait_for_step(root, kill_at, nodes)
-    running = nodes
-    if fault == "trainers":
-        _kill_trainers(cluster, next(n for n in nodes if n.host is cluster.hosts[1]))
-    else:
-        cluster.kill(cluster.hosts[1])  # its agent and its trainers, as if the machine lost power
-        running = [node for node in nodes if node.host is cluster.hosts[0]]
+    cluster.kill(cluster.hosts[1])  # its agent and its trainers, as if the machine lost power
+    running = [node for node in nodes if node.host is cluster.hosts[0]]
     if fault == "host back":
         running += _start(cluster, root, config, port, [1])
     wait_all(running, RUN_TIMEOUT)
@@ -243,7 +228,9 @@ def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrup
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("strategy", REPLICATED)
+# ds_mirrored only: the survivors' smaller world keeps the global batch by accumulation (a pipeline's processes are
+# stages, covered by the host that comes back).
+@pytest.mark.parametrize("strategy", ["ds_mirrored"])
 def test_a_host_lost_for_good_leaves_the_survivors_to_finish_at_half_the_world_size_as_if_uninterrupted(
     cluster_factory, tmp_path, strategy
 ):
@@ -251,14 +238,6 @@ def test_a_host_lost_for_good_leaves_the_survivors_to_finish_at_half_the_world_s
     assert final["world_size"] == 1
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches(strategy, 1), "the survivors trained from scratch"
-    torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
-
-
-def test_killed_trainers_are_restarted_by_their_agent_and_the_run_ends_as_if_uninterrupted(cluster_factory, tmp_path):
-    final, expected = _elastic_run(cluster_factory, tmp_path, "ds_mirrored", fault="trainers")
-    assert final["world_size"] == 2
-    assert final["global_step"] == MAX_STEPS
-    assert final["batches_this_run"] < _whole_run_batches("ds_mirrored", 2), "the restarted group trained from scratch"
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
 
 
