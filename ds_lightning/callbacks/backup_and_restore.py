@@ -112,6 +112,11 @@ class BackupAndRestore(Callback):
         self._watch = PreemptionWatch([signal.Signals[s] for s in self.signals], self.grace_seconds, exit_code)
         self._cursor = DataCursor()
         self._restored: dict[str, Any] | None = None
+        # Samples of the current epoch trained so far, counted here: Lightning's batch counters of a run that was
+        # itself restored do not always start where that run's data did.
+        self._epoch_counted: int | None = None
+        self._samples = 0
+        self._resume: tuple[int, int] | None = None
         self._active = False
         self._last_step = 0
         self._last_time = 0.0
@@ -136,6 +141,7 @@ class BackupAndRestore(Callback):
             )
         self._cursor.clear()
         self._restored, self.restored_from = None, None
+        self._epoch_counted, self._samples, self._resume = None, 0, None
         latest = self._store.latest()
         if trainer.is_global_zero:
             self._store.remove_stale_temporaries()
@@ -156,6 +162,7 @@ class BackupAndRestore(Callback):
         self._restored = saved
         if not saved["epoch_complete"]:
             self._cursor.resume_at(saved["epoch"], saved["samples"])
+            self._resume = (saved["epoch"], saved["samples"])
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -194,12 +201,14 @@ class BackupAndRestore(Callback):
     ) -> None:
         if not self._active:
             return
-        progress = trainer.fit_loop.epoch_loop.batch_progress.current
         per_step = samples_per_micro_step(trainer, "BackupAndRestore")
+        samples = self._samples if self._epoch_counted == trainer.current_epoch else 0
         checkpoint[CHECKPOINT_KEY] = {
             "epoch": trainer.current_epoch,
-            "samples": progress.processed * per_step,
-            "epoch_complete": progress.processed >= trainer.num_training_batches,
+            "samples": samples,
+            # The data ran out: the next run starts the next epoch.
+            # (A count that reached the epoch's end without it is resumed as zero batches left.)
+            "epoch_complete": bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch),
             "micro_batch_samples": per_step,
             "world_size": data_parallel_size(trainer),
             "random_states": _gather(trainer, random_states()),
@@ -209,7 +218,10 @@ class BackupAndRestore(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        if not self._active or trainer.global_step == self._last_step:
+        if not self._active:
+            return
+        self._count_samples(trainer)
+        if trainer.global_step == self._last_step:
             return  # inside an accumulation window: not a point the run can resume from
         self._last_step = step = trainer.global_step
         timed = self.every_n_seconds is not None and time.monotonic() - self._last_time >= self.every_n_seconds
@@ -221,6 +233,14 @@ class BackupAndRestore(Callback):
             self._writer.wait()
             rank_zero_info(f"BackupAndRestore: preempted; backed up at step {step}, exiting with code {self.exit_code}")
             raise SystemExit(self.exit_code)
+
+    def _count_samples(self, trainer: pl.Trainer) -> None:
+        epoch = trainer.current_epoch
+        if epoch != self._epoch_counted:
+            resume, self._resume = self._resume, None
+            self._epoch_counted = epoch
+            self._samples = resume[1] if resume is not None and resume[0] == epoch else 0
+        self._samples += samples_per_micro_step(trainer, "BackupAndRestore")
 
     def save(self, trainer: pl.Trainer) -> None:
         """Take a backup now (on every process at the same step, or on the chief alone under the parameter server)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -77,6 +78,7 @@ class RecordIds(Callback):
         self.out, self.die_at_step, self.attempt = spec["out"], spec.get("die_at_step"), spec.get("attempt", 0)
         self.step_sleep = spec.get("step_sleep", 0.0)  # seconds per batch: room for a signal at a random moment
         self.kill_server_at_step = spec.get("kill_server_at_step")
+        self.signal_at_step = spec.get("signal_at_step")  # rank 0 sends itself SIGTERM as this step starts
         self._file: Any = None
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -89,6 +91,8 @@ class RecordIds(Callback):
         if trainer.global_step == self.die_at_step:
             self._file.close()
             os._exit(DIED)
+        if trainer.global_step == self.signal_at_step and trainer.is_global_zero:
+            os.kill(os.getpid(), signal.SIGTERM)
         if trainer.global_step == self.kill_server_at_step and trainer.is_global_zero:
             trainer.strategy.launcher.servers[0].kill()  # type: ignore[union-attr]
         time.sleep(self.step_sleep)
