@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as _FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +33,15 @@ class BackupWriter(CheckpointIO):
     Args:
         store: where the files go.
         async_save: return once the state is copied to host memory; the file is written by a thread.
+        timeout: seconds a save may wait for the write before it (``None``: no bound). ``BackupAndRestore`` sets the
+            strategy's ``timeout``, so a hung file system fails the run like a hung collective would.
 
     """
 
-    def __init__(self, store: BackupStore, async_save: bool) -> None:
+    def __init__(self, store: BackupStore, async_save: bool, timeout: float | None = None) -> None:
         self.store = store
         self.async_save = async_save
+        self.timeout = timeout
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
 
@@ -53,10 +57,25 @@ class BackupWriter(CheckpointIO):
         self._pending = self._pool.submit(self.store.write, snapshot, Path(path))
 
     def wait(self) -> None:
-        """Block until the write in flight (if any) is on disk; re-raise its error."""
+        """Block until the write in flight (if any) is on disk; re-raise its error.
+
+        Raises:
+            TimeoutError: the write took longer than ``timeout`` seconds.
+
+        """
         pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        if pending is None:
+            return
+        try:
+            pending.result(timeout=self.timeout)
+        except _FutureTimeout:
+            self._pending = pending  # still in flight: a later wait may see it land
+            where = self.store.directory
+            raise TimeoutError(
+                f"BackupAndRestore: writing a backup into {str(where)!r} took more than {self.timeout:g} s (the"
+                " strategy's timeout). Check that the directory is writable, not full, and its file system not hung;"
+                " or give the strategy a longer timeout."
+            ) from None
 
     @override
     def load_checkpoint(self, path: _PATH, map_location: Any | None = None, weights_only: bool | None = None) -> Any:
@@ -68,7 +87,9 @@ class BackupWriter(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        self.wait()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
-            self._pool = None
+        try:
+            self.wait()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)  # after wait(): idle, or its write is hung and waiting cannot help
+                self._pool = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
@@ -139,6 +140,8 @@ class BackupAndRestore(Callback):
                 " epoch: a run resumed mid-epoch starts that epoch's data again. Use a ds strategy (e.g."
                 " strategy='ds_mirrored') to resume at the exact sample."
             )
+        timeout = getattr(strategy, "_timeout", None)  # Lightning's DDP keeps it there too
+        self._writer.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else None
         self._cursor.clear()
         self._restored, self.restored_from = None, None
         self._epoch_counted, self._samples, self._resume = None, 0, None

@@ -6,9 +6,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from ds_lightning.backup import BackupStore, BackupWriter
@@ -73,3 +75,29 @@ def test_the_async_writer_copies_the_state_before_training_changes_it(tmp_path: 
     for step in (1, 2, 3):
         saved = torch.load(store.path_for(step), weights_only=True)["w"]
         torch.testing.assert_close(saved, torch.full((1000,), float(step - 1)))
+
+
+class _StuckStore(BackupStore):
+    """A store whose writes hang until released, like a hung network file system."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory, keep=2)
+        self.release = threading.Event()
+
+    def write(self, checkpoint: dict, path: Path) -> None:
+        self.release.wait(30)
+        super().write(checkpoint, path)
+
+
+def test_a_hung_write_fails_the_next_save_within_the_timeout_naming_the_directory(tmp_path: Path) -> None:
+    store = _StuckStore(tmp_path / "backups")
+    writer = BackupWriter(store, async_save=True, timeout=0.3)
+    writer.save_checkpoint({"w": torch.zeros(3)}, store.path_for(1))  # returns: the write is the thread's
+    # Unbounded, the save would wait out the 30 s hang and then succeed.
+    with pytest.raises(TimeoutError, match=r"'.*backups' took more than 0.3 s .*longer timeout"):
+        writer.save_checkpoint({"w": torch.ones(3)}, store.path_for(2))
+    assert not store.release.is_set()
+    store.release.set()
+    writer.timeout = None
+    writer.teardown()
+    assert store.latest() == store.path_for(1)  # the hung write still lands once released; the failed save did not
