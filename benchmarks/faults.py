@@ -11,10 +11,12 @@ callback runs. Target (issue 14): backups every
 Part 2, recovery: under ``ds_mirrored``, ``ds_pipeline`` and ``ds_parameter_server`` (``max_staleness=0``, 1 server),
 the 1.1M MLP with a backup every ``--recovery-every`` steps; rank 0 kills its whole process group with SIGKILL at a
 step drawn per repeat between two backups (under ``--rank-kill`` strategies also: rank 1 kills only itself, and rank 0
-must notice), and the same command runs again. Part 3, the same in the network-namespace cluster (as root): two hosts,
-one ``ds_mirrored`` task each started by TF_CONFIG alone, every process of host 1 SIGKILLed (``Cluster.kill``) once
-rank 0 has done the step, then both tasks started again. Recovery time is from the kill to the end
-of the first new training step; steps lost are the steps done before the kill that the new run does again.
+must notice), and the same command runs again. Part 3, the same in the network-namespace cluster (as root), one task
+per host started by TF_CONFIG alone (``_faults_netns.py``): every process of one host SIGKILLed (``Cluster.kill``) once
+rank 0 has done the step, then every task started again; the host lost is ``ds_mirrored``'s second worker,
+``ds_pipeline``'s second stage, and ``ds_parameter_server``'s server (a chief and a worker on two other hosts).
+Recovery time is from the kill to the end of the first new training step; steps lost are the steps done before the
+kill that the new run does again.
 
     python benchmarks/faults.py [--quick] [--repeats 2] [--out DIR] [--render [JSON]] [--parts overhead recovery]
 """
@@ -23,46 +25,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import platform
 import random
-import signal
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _faults_netns as cluster_recovery
 from benchmarks import harness
-from benchmarks.harness import Arm, Experiment, fmt
-from ds_lightning.testing import free_port, netns
+from benchmarks._faults_netns import read_lines
+from benchmarks._faults_report import OVERHEAD_KEYS, RECOVERY_KEYS, TARGET, TARGET_EVERY, plot, report
+from benchmarks.harness import Arm, Experiment
+from ds_lightning.testing import netns
 
 WORKER = Path(__file__).resolve().parent / "_faults_worker.py"
 MODELS = {"mlp1m": [1024, 1024], "mlp10m": [2240, 2240, 2240]}
 STRATEGIES = ("ds_mirrored", "ds_pipeline", "ds_parameter_server")
 PARTS = ("overhead", "recovery", "netns")
-_ENV_DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
-TARGET = 1.05  # async backups every 50 steps: at most 5% on step time
-TARGET_EVERY = 50
-OVERHEAD_KEYS = ["mean_step_ms", "median_step_ms", "max_step_ms", "mean_over_median", "save_ms", "write_ms"]
-RECOVERY_KEYS = [
-    "recovery_s",
-    "detect_s",
-    "relaunch_s",
-    "imports_s",
-    "startup_s",
-    "restore_s",
-    "first_step_s",
-    "kill_step",
-    "resumed_step",
-    "steps_lost",
-    "since_backup",
-]
 
 
 def overhead_arm(model: str, every: int | None, async_save: bool = True) -> str:
@@ -190,8 +174,9 @@ class Faults(harness.Benchmark):
                     params = {"part": "recovery", "strategy": s, "kill_rank": 1}
                     arms.append(Arm(f"recover_{s}_rank1", params, f"{s}, rank 1 only"))
         if "netns" in opts.parts:
-            params = {"part": "recovery", "strategy": "ds_mirrored", "kill_rank": 1, "netns": True}
-            arms.append(Arm("recover_ds_mirrored_netns", params, "ds_mirrored, host 1 lost (netns)"))
+            for s in opts.strategies:
+                params = {"part": "recovery", "strategy": s, "netns": True}
+                arms.append(Arm(f"recover_{s}_netns", params, cluster_recovery.LAYOUTS[s].label))
         return Experiment(arms, opts.repeats)
 
     def _spec(self, opts: argparse.Namespace, **kw: Any) -> dict[str, Any]:
@@ -202,7 +187,7 @@ class Faults(harness.Benchmark):
             if arm.params["part"] == "overhead":
                 return self._overhead(arm, opts, tmp)
             if arm.params.get("netns"):
-                return self._recovery_netns(repeat, opts, tmp)
+                return self._recovery_netns(arm, repeat, opts, tmp)
             return self._recovery(arm, repeat, opts, tmp)
 
     def _overhead(self, arm: Arm, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
@@ -253,7 +238,7 @@ class Faults(harness.Benchmark):
         else:
             raise harness.Failed(f"the first launch was not killed, or survived the kill (kill_at={kill_at})")
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, env)
-        stamps = _read_lines(stamp_dir / "stamps.jsonl")
+        stamps = read_lines(stamp_dir / "stamps.jsonl")
         r = found["result"]
         return {
             "rc": found["rc"],
@@ -275,17 +260,15 @@ class Faults(harness.Benchmark):
             raise harness.Failed(f"kill step {kill_at} >= --recovery-steps {opts.recovery_steps}: raise it")
         return kill_at
 
-    def _recovery_netns(self, repeat: int, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
-        """Two hosts, one ``ds_mirrored`` task each (TF_CONFIG only); every process of host 1 killed at a step."""
-        cluster = self._cluster
-        if cluster is None:
+    def _recovery_netns(self, arm: Arm, repeat: int, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
+        if self._cluster is None:
             raise harness.Failed(f"no network-namespace cluster: {self._netns_missing}")
         kill_at = self._kill_at(repeat, opts)
         stamp_dir = Path(tmp, "stamps")
         stamp_dir.mkdir()
         spec = self._spec(
             opts,
-            strategy="ds_mirrored",
+            strategy=arm.params["strategy"],
             hidden=MODELS["mlp1m"],
             max_steps=opts.recovery_steps,
             backup={"every": opts.recovery_every, "async": True},
@@ -293,66 +276,16 @@ class Faults(harness.Benchmark):
             stamp_dir=str(stamp_dir),
             devices=1,
         )
-        first = self._launch_hosts(cluster, spec, tmp, "first", kill_at, opts.timeout)
-        if not any(s["event"] == "kill" for s in _read_lines(stamp_dir / "stamps.jsonl")):
-            raise harness.Failed(f"the first launch ended before step {kill_at} (exit codes {first})")
-        second = self._launch_hosts(cluster, spec, tmp, "again", None, opts.timeout)
-        result = Path(tmp, "again", "result.json")
-        if not result.exists():
-            raise harness.Failed(f"the re-run wrote no result (exit codes {second})")
-        r = json.loads(result.read_text())
-        return {
-            "rc": second[0],
-            "first_rc": first[0],
-            "last_step": r["last_step"],
-            **recovery_reading(_read_lines(stamp_dir / "stamps.jsonl"), opts.recovery_every),
-        }
-
-    def _launch_hosts(
-        self, cluster: netns.Cluster, spec: dict[str, Any], tmp: str, name: str, kill_at: int | None, timeout: float
-    ) -> list[int | None]:
-        """One task per host; with ``kill_at``, every process of host 1 SIGKILLed once rank 0 stamped that step."""
-        out = Path(tmp, name)
-        out.mkdir()
-        spec_path = out / "spec.json"
-        spec_path.write_text(json.dumps({**spec, "out_dir": str(out)}))
-        port = free_port()
-        tf_cluster = {"worker": [f"{h.address}:{port}" for h in cluster.hosts]}
-        procs = []
-        for index, host in enumerate(cluster.hosts):
-            env = harness.worker_env(threads=1, rendezvous=False)
-            for variable in _ENV_DROP:
-                env.pop(variable, None)
-            env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "task": {"type": "worker", "index": index}})
-            with (out / f"host{index}.log").open("w") as log:
-                cmd = [sys.executable, str(WORKER), str(spec_path)]
-                procs.append(host.run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT))
-        stamps = Path(spec["stamp_dir"], "stamps.jsonl")
-        deadline = time.monotonic() + timeout
-        killed = kill_at is None
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            if not killed and stamps.exists():
-                steps = [s["step"] for s in _read_lines(stamps) if s["event"] == "step"]
-                if steps and max(steps) >= kill_at:
-                    with stamps.open("a") as f:
-                        f.write(json.dumps({"event": "kill", "t": time.time(), "pid": os.getpid(), "step": max(steps)}))
-                        f.write("\n")
-                    cluster.kill(cluster.hosts[1])
-                    killed = True
-            time.sleep(0.02)
-        for proc in procs:
-            if proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        return [p.returncode for p in procs]
+        layout = cluster_recovery.LAYOUTS[arm.params["strategy"]]
+        found = cluster_recovery.recover(self._cluster, layout, WORKER, spec, tmp, kill_at, opts.timeout)
+        return {**found, **recovery_reading(read_lines(stamp_dir / "stamps.jsonl"), opts.recovery_every)}
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
         self._cluster: netns.Cluster | None = None
         self._netns_missing = netns.missing_requirements() if "netns" in opts.parts else None
         with contextlib.ExitStack() as stack:
             if "netns" in opts.parts and self._netns_missing is None:
-                self._cluster = stack.enter_context(netns.Cluster(2))
+                self._cluster = stack.enter_context(netns.Cluster(cluster_recovery.HOSTS))
             data = super().collect(opts)
         data["loadavg_end"] = os.getloadavg()
         data["arm_params"] = {a.name: a.params for a in self.experiment(opts).arms}
@@ -391,196 +324,10 @@ class Faults(harness.Benchmark):
         return {"arms": s, "target": target}
 
     def report(self, data: dict[str, Any]) -> list[str]:
-        s, st, params = data["summary"]["arms"], data["settings"], data["arm_params"]
-        out = [
-            f"Commit {data['package']['commit'][:10]}; {data.get('machine', {}).get('cores')} cores, load average"
-            f" {_load(data.get('loadavg_start'))} at the start and {_load(data.get('loadavg_end'))} at the end (the"
-            " machine is shared: other jobs ran beside this one, so single runs are noisy; read the medians and the"
-            f" per-repeat spread). {st['repeats']} interleaved repeat(s); median [min - max] over repeats.",
-        ]
-        over = [a for a in data["arms"] if params[a]["part"] == "overhead"]
-        if over:
-            out += [
-                "",
-                f"### Backup overhead (ds_mirrored, 2 processes, batch {st['batch_size']} per process,"
-                f" {st['warmup']} warm-up + {st['steps']} timed steps or one backup period if longer, backups under"
-                f" {data.get('backup_root')})",
-                "",
-                "Step time is the mean from one step's end to the next, so it includes every backup's blocking part."
-                " *vs none*: the mean over the mean without backups in the same repeat. *in-run*: the same from"
-                " within each run, (mean / median) over the no-backup run's (mean / median): the median is the usual"
-                " step, and load that drifts between runs moves this figure much less. *per backup*: (mean - mean"
-                " without) x period. *loop wait*: rank 0's time inside BackupAndRestore.save (state copy, and the"
-                " file write when sync); *write*: the file write (torch.save, fsync, rename), in a thread when async."
-                " *from timings*: 1 + loop wait / (period x usual step without backups), and, for async, up to"
-                " 1 + (loop wait + write) / (the same): the upper end if the writing thread took its whole time from"
-                " training (on 2 shared cores it competes with it).",
-                "",
-            ]
-            rows = []
-            for arm in over:
-                p, v = params[arm], s[arm]
-                b = p["backup"]
-                rows.append(
-                    [
-                        f"{p['model']} ({_params(data, arm)})",
-                        "none" if b is None else ("async" if b["async"] else "sync"),
-                        "-" if b is None else b["every"],
-                        fmt(v["mean_step_ms"], ".2f"),
-                        fmt(v.get("overhead_ratio"), ".3f"),
-                        fmt(v.get("inrun_ratio"), ".3f"),
-                        _fmt_bounds(v.get("bounds")),
-                        fmt(v.get("per_backup_ms"), ".0f"),
-                        fmt(v.get("save_ms"), ".0f"),
-                        fmt(v.get("write_ms"), ".0f"),
-                        fmt(v["median_step_ms"], ".2f"),
-                        fmt(v["max_step_ms"], ".0f"),
-                    ]
-                )
-            out += harness.markdown_table(
-                [
-                    "model",
-                    "save",
-                    "every",
-                    "mean step (ms)",
-                    "vs none",
-                    "in-run",
-                    "from timings",
-                    "per backup (ms)",
-                    "loop wait (ms)",
-                    "write (ms)",
-                    "median step (ms)",
-                    "longest step (ms)",
-                ],
-                rows,
-            )
-            out.append("")
-            for model, t in sorted(data["summary"]["target"].items()):
-                if t["ratio"] is None:
-                    continue
-                verdict = "met" if t["met"] else "NOT met"
-                inrun = "met" if t.get("inrun_met") else "not met"
-                out.append(
-                    f"- **Target (async every {TARGET_EVERY} steps <= {TARGET:.2f}x), {model}: {fmt(t['ratio'], '.3f')}"
-                    f" -> {verdict}** (in-run estimate {fmt(t.get('inrun_ratio'), '.3f')}: {inrun}; from timings"
-                    f" {_fmt_bounds(t.get('bounds'))})."
-                )
-        rec = [a for a in data["arms"] if params[a]["part"] == "recovery"]
-        if rec:
-            out += [
-                "",
-                f"### Recovery (kill -9 of every process, of rank 1 alone, or of every process on host 1 of the"
-                " network-namespace cluster, at a step; then the same command again; backups every"
-                f" {st['recovery_every']} steps, async; MLP 64-1024-1024-10, 2 processes)",
-                "",
-                "Recovery = kill to the end of the first new step = relaunch + imports (rank 0's torch, Lightning,"
-                " ds_lightning) + start-up (the other ranks' launch and imports, rendezvous: to the setup hook)"
-                " + restore (to on_train_start: the backup read and put back, with the strategy's set-up) + first"
-                " step. Detect: from the kill of rank 1 to rank 0's failure (it is part of the relaunch). Steps lost ="
-                " steps done before the kill that the re-run does again; since backup = the kill step modulo the"
-                " period.",
-                "",
-            ]
-            rows = [
-                [
-                    data["arms"][arm],
-                    *(fmt(s[arm][k], ".2f") for k in RECOVERY_KEYS[:7]),
-                    *(fmt(s[arm][k], ".0f") for k in RECOVERY_KEYS[7:]),
-                ]
-                for arm in rec
-            ]
-            out += harness.markdown_table(
-                [
-                    "strategy",
-                    "recovery (s)",
-                    "detect (s)",
-                    "relaunch (s)",
-                    "imports (s)",
-                    "start-up (s)",
-                    "restore (s)",
-                    "first step (s)",
-                    "killed at",
-                    "resumed from",
-                    "steps lost",
-                    "since backup",
-                ],
-                rows,
-            )
-        failed = [f"{a}: {e}" for a, v in s.items() for e in v["errors"]]
-        return out + (["", "Failed runs:", *(f"- {f}" for f in failed)] if failed else [])
+        return report(data)
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        s, params = data["summary"]["arms"], data["arm_params"]
-        fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(17, 4.5))
-        over = [a for a in data["arms"] if params[a]["part"] == "overhead" and params[a]["backup"]]
-        for ax, key, ylabel in (
-            (ax0, "overhead_ratio", "mean step / no backup's (same repeat)"),
-            (ax1, "inrun_ratio", "in-run: (mean/median) / no backup's"),
-        ):
-            series: dict[str, list[tuple[int, dict[str, Any]]]] = {}
-            for arm in over:
-                p = params[arm]
-                if s[arm].get(key):
-                    label = f"{p['model']} {'async' if p['backup']['async'] else 'sync'}"
-                    series.setdefault(label, []).append((p["backup"]["every"], s[arm][key]))
-            for i, (label, pts) in enumerate(sorted(series.items())):
-                pts.sort(key=lambda x: x[0])
-                med = [r["median"] for _, r in pts]
-                err = [
-                    [m - r["min"] for m, (_, r) in zip(med, pts, strict=True)],
-                    [r["max"] - m for m, (_, r) in zip(med, pts, strict=True)],
-                ]
-                style = "-" if "async" in label else "--"
-                xs = [e for e, _ in pts]
-                ax.errorbar(xs, med, yerr=err, fmt="o" + style, capsize=3, label=label, color=f"C{i // 2}")
-            if series:
-                ax.axhline(TARGET, color="red", lw=0.8, ls=":", label=f"target {TARGET:.2f}x at every {TARGET_EVERY}")
-                ax.set_xscale("log")
-                ax.legend(fontsize=8)
-            ax.set_xlabel("backup every n steps")
-            ax.set_ylabel(ylabel)
-        ax0.set_title("BackupAndRestore overhead, A/B (ds_mirrored, 2 procs)")
-        ax1.set_title("BackupAndRestore overhead, within each run")
-        rec = [a for a in data["arms"] if params[a]["part"] == "recovery" and s[a].get("recovery_s")]
-        bottom = [0.0] * len(rec)
-        for k, label in zip(
-            RECOVERY_KEYS[2:7], ["relaunch", "imports", "start-up", "restore", "first step"], strict=True
-        ):
-            vals = [s[a][k]["median"] if s[a][k] else 0.0 for a in rec]
-            ax2.bar(range(len(rec)), vals, bottom=bottom, label=label)
-            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-        for i, a in enumerate(rec):
-            ax2.annotate(
-                f"{fmt(s[a]['steps_lost'], '.0f').split(' ')[0]} steps lost",
-                (i, bottom[i]),
-                ha="center",
-                va="bottom",
-                fontsize=8,
-            )
-        ax2.set_xticks(range(len(rec)), [data["arms"][a].replace(", ", ",\n") for a in rec], fontsize=8)
-        ax2.set_ylabel("seconds from kill -9 (medians)")
-        ax2.set_title("Recovery: kill to the first new step")
-        if rec:
-            ax2.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / "faults.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return [path]
-
-
-def _read_lines(path: Path) -> list[dict[str, Any]]:
-    """JSON lines; a line cut short by the kill is left out."""
-    out = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(json.JSONDecodeError):
-            out.append(json.loads(line))
-    return out
+        return plot(data, out)
 
 
 def _timed_steps(steps: int, backup: dict[str, Any] | None) -> int:
@@ -596,21 +343,6 @@ def _bounds(arm: dict[str, Any], base: dict[str, Any], every: int, async_save: b
     low = 1 + arm["save_ms"]["median"] / period_ms
     write = arm["write_ms"]["median"] if async_save and arm.get("write_ms") else 0.0
     return [low, low + write / period_ms]
-
-
-def _fmt_bounds(b: Sequence[float] | None) -> str:
-    if not b:
-        return "-"
-    return f"{b[0]:.3f}" if b[1] == b[0] else f"{b[0]:.3f} - {b[1]:.3f}"
-
-
-def _load(avg: Sequence[float] | None) -> str:
-    return "/".join(f"{x:.1f}" for x in avg) if avg else "?"
-
-
-def _params(data: dict[str, Any], arm: str) -> str:
-    n = next((r["params"] for r in harness.ok(data["records"], arm)), None)
-    return f"{n / 1e6:.1f}M params" if n else "?"
 
 
 if __name__ == "__main__":

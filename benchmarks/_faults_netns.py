@@ -1,0 +1,120 @@
+"""The faults benchmark's part 3: recovery in the network-namespace cluster, one task per host started by TF_CONFIG.
+
+Every process of one host is SIGKILLed (``Cluster.kill``: the machine lost power, its link stays up) once rank 0 has
+done the kill step, then every task is started again with the same command, as an operator (or a job scheduler)
+would. Which host goes depends on the strategy: ``ds_mirrored``'s second worker, ``ds_pipeline``'s second stage, and
+``ds_parameter_server``'s server (a chief and a worker train; the lost server is what ends that run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks import harness
+from ds_lightning.testing import free_port, netns
+
+_ENV_DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Which host runs which TF_CONFIG task, and which host is lost."""
+
+    jobs: dict[str, list[int]]
+    victim: int
+    label: str
+
+
+LAYOUTS = {
+    "ds_mirrored": Layout({"worker": [0, 1]}, 1, "ds_mirrored, host 1 lost (netns)"),
+    "ds_pipeline": Layout({"worker": [0, 1]}, 1, "ds_pipeline, stage 2's host lost (netns)"),
+    "ds_parameter_server": Layout(
+        {"chief": [0], "worker": [1], "ps": [2]}, 2, "ds_parameter_server, the server's host lost (netns)"
+    ),
+}
+HOSTS = 3
+
+
+def read_lines(path: Path) -> list[dict[str, Any]]:
+    """JSON lines; a line cut short by the kill is left out."""
+    out = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            out.append(json.loads(line))
+    return out
+
+
+def recover(
+    cluster: netns.Cluster, layout: Layout, worker: Path, spec: dict[str, Any], tmp: str, kill_at: int, timeout: float
+) -> dict[str, Any]:
+    """A run killed at ``kill_at`` and its re-run; returns their exit codes (rank 0's) and the re-run's last step."""
+    stamps = Path(spec["stamp_dir"], "stamps.jsonl")
+    first = _launch(cluster, layout, worker, spec, Path(tmp, "first"), kill_at, timeout)
+    if not stamps.exists() or not any(s["event"] == "kill" for s in read_lines(stamps)):
+        raise harness.Failed(f"the first launch ended before step {kill_at} (exit codes {first})")
+    second = _launch(cluster, layout, worker, spec, Path(tmp, "again"), None, timeout)
+    result = Path(tmp, "again", "result.json")
+    if not result.exists():
+        raise harness.Failed(f"the re-run wrote no result (exit codes {second}; logs in {tmp})")
+    return {"rc": second[0], "first_rc": first[0], "last_step": json.loads(result.read_text())["last_step"]}
+
+
+def _launch(
+    cluster: netns.Cluster,
+    layout: Layout,
+    worker: Path,
+    spec: dict[str, Any],
+    out: Path,
+    kill_at: int | None,
+    timeout: float,
+) -> list[int | None]:
+    """Every task of ``layout``, servers first; with ``kill_at``, the victim host killed once rank 0 did that step.
+
+    Returns:
+        The exit codes, rank 0's (the first ``chief`` or ``worker`` task) first.
+
+    """
+    out.mkdir()
+    spec_path = out / "spec.json"
+    spec_path.write_text(json.dumps({**spec, "out_dir": str(out)}))
+    port = free_port()
+    tf_cluster = {job: [f"{cluster.hosts[i].address}:{port}" for i in hosts] for job, hosts in layout.jobs.items()}
+    order = [(job, i, h) for job in ("chief", "worker", "ps") for i, h in enumerate(layout.jobs.get(job, []))]
+    procs = []
+    for job, index, host in sorted(order, key=lambda t: t[0] != "ps"):  # servers first, as an operator would
+        env = harness.worker_env(threads=1, rendezvous=False)
+        for variable in _ENV_DROP:
+            env.pop(variable, None)
+        env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "task": {"type": job, "index": index}})
+        with (out / f"{job}{index}.log").open("w") as log:
+            cmd = [sys.executable, str(worker), str(spec_path)]
+            proc = cluster.hosts[host].run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
+        procs.append((job, proc))
+    stamps = Path(spec["stamp_dir"], "stamps.jsonl")
+    deadline = time.monotonic() + timeout
+    killed = kill_at is None
+    while any(p.poll() is None for _, p in procs) and time.monotonic() < deadline:
+        if not killed and stamps.exists():
+            steps = [s["step"] for s in read_lines(stamps) if s["event"] == "step"]
+            if steps and max(steps) >= kill_at:
+                with stamps.open("a") as f:
+                    line = {"event": "kill", "t": time.time(), "pid": os.getpid(), "step": max(steps)}
+                    f.write(json.dumps(line) + "\n")
+                cluster.kill(cluster.hosts[layout.victim])
+                killed = True
+        time.sleep(0.02)
+    for _, proc in procs:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return [p.returncode for job, p in procs if job != "ps"] + [p.returncode for job, p in procs if job == "ps"]
