@@ -102,6 +102,9 @@ def test_validation_is_in_a_fixed_order(seed0):
     x, _ = next(iter(loader))
     assert torch.equal(x, torch.stack([seed0.val_set[i][0] for i in range(seed0.batch_size)]))
     assert torch.equal(next(iter(seed0.test_dataloader()))[0], x)
+    # Random starts, so a prefix (limit_val_batches) samples the whole split, not its first files.
+    prefix, half = seed0.val_set.starts[: len(seed0.val_set) // 10], len(seed0.val_set.text) // 2
+    assert bool((prefix < half).any()) and bool((prefix >= half).any())
 
 
 def test_loader_order_is_a_function_of_seed_and_epoch(seed0, seed0_again):
