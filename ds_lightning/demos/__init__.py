@@ -1,15 +1,22 @@
-"""Bundled demo data and models: scikit-learn's digits, so nothing is downloaded."""
+"""Bundled demo data and models, so nothing is downloaded.
+
+scikit-learn's digits with an MLP, and the standard library's own source text with a small byte-level GPT.
+"""
 
 from ds_lightning.demos.digits import DigitsDataModule, load_digits_tensors
 from ds_lightning.demos.gpt import GPT
 from ds_lightning.demos.models import DigitsClassifier, make_mlp
 from ds_lightning.demos.report import TrainingReport
+from ds_lightning.demos.text import TextDataModule, decode, encode
 
 __all__ = [
     "GPT",
     "DigitsClassifier",
     "DigitsDataModule",
+    "TextDataModule",
     "TrainingReport",
+    "decode",
+    "encode",
     "load_digits_tensors",
     "make_mlp",
 ]
