@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Subset
 
 import ds_lightning
 from ds_lightning.demos import GPT, TextDataModule
+from tests.helpers.trainers import quiet_trainer
 
 BLOCK = 16
 WINDOWS = 64  # windows of real text trained on
@@ -48,15 +49,12 @@ def main(spec_path: str) -> None:
         loader = DataLoader(windows, batch_size=spec["batch_size"], shuffle=False)
     model = GPT(n_layer=2, n_head=2, d_model=32, block_size=BLOCK, dropout=0.0, lr=1e-3)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    trainer = pl.Trainer(
-        accelerator="cpu",
+    trainer = quiet_trainer(
+        Path(spec["out"]).parent,
+        [],
         devices=spec["devices"],
         strategy=_strategy(spec),
         max_steps=spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         limit_val_batches=0,
         num_sanity_val_steps=0,
     )
