@@ -4,7 +4,7 @@ A benchmark script subclasses :class:`Benchmark` with its experiment (the arms) 
 from one run), and calls :func:`main`; see ``benchmarks/README.md``.
 """
 
-from .cli import RESULTS, Benchmark, main
+from .cli import RESULTS, Benchmark, main, stem
 from .run import REPO, Failed, error_line, launch, package_state, run_experiment, worker_env
 from .spec import Arm, Experiment, interleave
 from .summary import best_of, fmt, ok, paired, ratio_to, spread, summarise, values
@@ -34,6 +34,7 @@ __all__ = [
     "read_json",
     "run_experiment",
     "spread",
+    "stem",
     "summarise",
     "values",
     "worker_env",

@@ -30,6 +30,9 @@ class Benchmark:
 
     name: str = ""
     description: str = ""
+    #: the workloads ``--model`` offers (see ``benchmarks/_workloads.py``); results of another than the first go to
+    #: ``<name>_<model>.*``
+    models: tuple[str, ...] = ("digits",)
     #: option values of a full run; ``repeats`` among them
     defaults: dict[str, Any] = {"repeats": 3}
     #: option values of a ``--quick`` run (a smoke test)
@@ -90,8 +93,20 @@ def parser(bench: Benchmark) -> argparse.ArgumentParser:
         metavar="JSON",
         help=f"run nothing: re-read the JSON (default <out>/{bench.name}.json) and rewrite its markdown and PNG",
     )
+    p.add_argument(
+        "--model",
+        choices=bench.models,
+        default=bench.models[0],
+        help="the workload: " + " or ".join(bench.models) + f" (results of other than {bench.models[0]} go to"
+        f" {bench.name}_<model>.*)",
+    )
     bench.options(p)
     return p
+
+
+def stem(bench: Benchmark, model: str | None) -> str:
+    """The results' file stem: the benchmark's name, with the workload's when it is not the first one."""
+    return bench.name if model in (None, bench.models[0]) else f"{bench.name}_{model}"
 
 
 def _show(values: dict[str, Any]) -> str:
@@ -116,19 +131,20 @@ def resolve(bench: Benchmark, opts: argparse.Namespace) -> argparse.Namespace:
 def write(bench: Benchmark, data: dict[str, Any], out: Path, json_too: bool = True) -> list[Path]:
     """Summarise, then write the JSON (unless re-rendering), the markdown (printed) and the charts."""
     data["summary"] = bench.summarise(data)
+    name = stem(bench, data.get("settings", {}).get("model"))
     written = []
     if json_too:
-        write_json(out / f"{bench.name}.json", data)
-        written.append(out / f"{bench.name}.json")
-    write_markdown(out / f"{bench.name}.md", bench.report(data))
-    return [*written, out / f"{bench.name}.md", *bench.plot(data, out)]
+        write_json(out / f"{name}.json", data)
+        written.append(out / f"{name}.json")
+    write_markdown(out / f"{name}.md", bench.report(data))
+    return [*written, out / f"{name}.md", *bench.plot(data, out)]
 
 
 def main(bench: Benchmark, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse the shared command line, then run and write, or (``--render``) re-render; the data written."""
     opts = resolve(bench, parser(bench).parse_args(argv))
     if opts.render is not None:
-        data = read_json(Path(opts.render) if opts.render else opts.out / f"{bench.name}.json")
+        data = read_json(Path(opts.render) if opts.render else opts.out / f"{stem(bench, opts.model)}.json")
         written = write(bench, data, opts.out, json_too=False)
         print(f"re-rendered {', '.join(p.name for p in written)} in {opts.out}", flush=True)
         return data
