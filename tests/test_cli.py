@@ -181,6 +181,10 @@ def _cli_calls(calls: list[list[str]]) -> list[tuple[str, str]]:
 EXPECTED_CONFIGS = {
     "callbacks.yaml": "class_path: ds_lightning.callbacks.DynamicLoadBalancer",
     "fault_tolerant.yaml": "class_path: ds_lightning.callbacks.BackupAndRestore",
+    "gpt_callbacks.yaml": "class_path: ds_lightning.callbacks.GradientAccumulation",
+    "gpt_mirrored.yaml": "class_path: ds_lightning.demos.GPT",
+    "gpt_parameter_server.yaml": "max_staleness: 4",
+    "gpt_pipeline.yaml": "class_path: ds_lightning.demos.TextDataModule",
     "mirrored.yaml": "strategy: ds_mirrored",
     "mirrored_powersgd.yaml": "class_path: ds_lightning.strategies.MirroredStrategy",
     "model_parallel.yaml": "class_path: ds_lightning.strategies.LayerSplitStrategy",

@@ -7,6 +7,7 @@ from ds_lightning.demos.digits import DigitsDataModule, load_digits_tensors
 from ds_lightning.demos.gpt import GPT
 from ds_lightning.demos.models import DigitsClassifier, make_mlp
 from ds_lightning.demos.report import TrainingReport
+from ds_lightning.demos.sample import TextSample
 from ds_lightning.demos.text import TextDataModule, decode, encode
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "DigitsClassifier",
     "DigitsDataModule",
     "TextDataModule",
+    "TextSample",
     "TrainingReport",
     "decode",
     "encode",

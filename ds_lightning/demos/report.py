@@ -6,7 +6,7 @@ import json
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -15,13 +15,13 @@ from lightning.pytorch.callbacks import Callback
 __all__ = ["TrainingReport"]
 
 
-def _batch_size(batch: Any) -> int:
+def _batch_size(batch: Any, count: str = "samples") -> int:
     if isinstance(batch, torch.Tensor):
-        return int(batch.shape[0])
+        return int(batch.shape[0] if count == "samples" else batch.numel())
     if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
+        return _batch_size(batch[0], count)
     if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
+        return _batch_size(next(iter(batch.values())), count)
     return 0
 
 
@@ -33,16 +33,27 @@ class TrainingReport(Callback):
     Args:
         warmup_steps: steps left out of the timing (first-step allocation, DDP bucket rebuild).
         output_json: where rank 0 writes the figures, or ``None``.
-        monitor: the logged metric to report, e.g. ``"val_acc"``.
+        monitor: the logged metric to report, e.g. ``"val_acc"`` or ``"val_ppl"``.
+        count: what throughput counts: ``"samples"`` (rows of the batch's first tensor) or ``"tokens"`` (all its
+            elements: a language model's token ids).
 
     """
 
-    def __init__(self, warmup_steps: int = 5, output_json: str | None = None, monitor: str = "val_acc") -> None:
+    def __init__(
+        self,
+        warmup_steps: int = 5,
+        output_json: str | None = None,
+        monitor: str = "val_acc",
+        count: Literal["samples", "tokens"] = "samples",
+    ) -> None:
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps={warmup_steps!r} must be >= 0.")
+        if count not in ("samples", "tokens"):
+            raise ValueError(f"count={count!r} must be 'samples' or 'tokens' (for a language model's token ids).")
         self.warmup_steps = warmup_steps
         self.output_json = output_json
         self.monitor = monitor
+        self.count = count
         self.step_times: list[float] = []
         self.samples = 0
         self._start = 0.0
@@ -62,7 +73,7 @@ class TrainingReport(Callback):
         self._seen += 1
         if self._seen > self.warmup_steps:
             self.step_times.append(elapsed)
-            self.samples += _batch_size(batch)
+            self.samples += _batch_size(batch, self.count)
 
     def summary(self, trainer: pl.Trainer) -> dict[str, Any]:
         """Figures reduced over all ranks; a collective, so every rank must call it."""
@@ -76,7 +87,7 @@ class TrainingReport(Callback):
             "world_size": trainer.world_size,
             "steps_timed": len(self.step_times),
             "median_step_ms": 1000 * statistics.median(self.step_times) if self.step_times else None,
-            "samples_per_s": samples / busy if busy > 0 else None,
+            f"{self.count}_per_s": samples / busy if busy > 0 else None,
             self.monitor: float(metric) if metric is not None else None,
         }
         for attr in ("comm_bytes_per_step", "uncompressed_bytes_per_step"):
@@ -92,8 +103,8 @@ class TrainingReport(Callback):
         parts = [f"{report['strategy']} on {report['world_size']} process(es)"]
         if report[self.monitor] is not None:
             parts.append(f"{self.monitor}={report[self.monitor]:.4f}")
-        if report["samples_per_s"] is not None:
-            parts.append(f"{report['samples_per_s']:.0f} samples/s")
+        if report[f"{self.count}_per_s"] is not None:
+            parts.append(f"{report[f'{self.count}_per_s']:.0f} {self.count}/s")
             parts.append(f"median step {report['median_step_ms']:.2f} ms")
         print("[ds_lightning] " + " | ".join(parts), flush=True)
         if self.output_json:
