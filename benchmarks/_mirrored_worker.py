@@ -1,6 +1,7 @@
 """One mirrored-benchmark run on 2 CPU processes: a Lightning strategy, or a plain torch DDP loop (the floor).
 
-Started by ``benchmarks/mirrored.py`` with a JSON spec; rank 0 writes ``result.json`` with its per-step times (the
+Started by ``benchmarks/mirrored.py`` with a JSON spec; both modes train the spec's ``"workload"`` (the digits MLP with
+SGD, or the GPT with AdamW; ``benchmarks/_workloads.py``). Rank 0 writes ``result.json`` with its per-step times (the
 harness's ``StepTimer`` for Lightning; the same span, timed by hand, for the plain loop) and the bytes sent per step.
 """
 
@@ -20,39 +21,43 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
-from torch.nn import functional as F
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
+from benchmarks import _workloads
 from benchmarks.harness.timing import StepTimer
-from ds_lightning.demos import load_digits_tensors, make_mlp
 from ds_lightning.testing import free_port
 
 
-def _dataset() -> TensorDataset:
-    x, y = load_digits_tensors()
-    return TensorDataset(x, y)
+def make_optimizer(model: str, params: Any) -> torch.optim.Optimizer:
+    """The digits MLP's SGD (as before the GPT), or the GPT's AdamW (its own lr and betas, no weight decay)."""
+    if model == "gpt":
+        return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 
 
 class BenchModel(pl.LightningModule):
-    """The bare minimum around the MLP, so the comparison with a plain loop measures the framework only."""
+    """The bare minimum around the workload's net, so the comparison with a plain loop measures the framework only."""
 
-    def __init__(self, hidden: list[int]) -> None:
+    def __init__(self, workload: _workloads.Workload) -> None:
         super().__init__()
-        self.net = make_mlp(64, hidden, 10)
+        self.net = workload.net
+        self.loss = workload.loss
+        self.model_name = workload.name
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return F.cross_entropy(self.net(x), y)
+        return self.loss(self.net(x), y)
 
     def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+        return make_optimizer(self.model_name, self.parameters())
 
 
 def run_lightning(spec: dict[str, Any]) -> None:
     pl.seed_everything(0, verbose=False)
+    workload = _workloads.build(spec["workload"], spec["hidden"])
     strategy: Any = spec["strategy"]
     if strategy == "ds_mirrored" and spec["compression"] != "none":
         strategy = ds_lightning.MirroredStrategy(gradient_compression=spec["compression"], powersgd_start_iter=2)
@@ -69,8 +74,8 @@ def run_lightning(spec: dict[str, Any]) -> None:
         limit_val_batches=0,
         callbacks=[timer],
     )
-    loader = DataLoader(_dataset(), batch_size=spec["batch_size"], shuffle=True, drop_last=True)
-    trainer.fit(BenchModel(spec["hidden"]), train_dataloaders=loader)
+    loader = DataLoader(workload.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
+    trainer.fit(BenchModel(workload), train_dataloaders=loader)
     if trainer.is_global_zero:
         out = timer.reading()
         for attr in ("comm_bytes_per_step", "uncompressed_bytes_per_step"):
@@ -83,10 +88,10 @@ def _plain_worker(rank: int, spec: dict[str, Any], port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-    torch.manual_seed(0)
-    model = nn.parallel.DistributedDataParallel(make_mlp(64, spec["hidden"], 10))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    dataset = _dataset()
+    workload = _workloads.build(spec["workload"], spec["hidden"])
+    model = nn.parallel.DistributedDataParallel(workload.net)
+    optimizer = make_optimizer(workload.name, model.parameters())
+    dataset = workload.train_set
     sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True)
     loader = DataLoader(dataset, batch_size=spec["batch_size"], sampler=sampler, drop_last=True)
     total = spec["warmup"] + spec["steps"]
@@ -97,7 +102,7 @@ def _plain_worker(rank: int, spec: dict[str, Any], port: int) -> None:
         for x, y in loader:
             start = time.perf_counter()  # the span StepTimer takes in Lightning: forward, backward, step
             optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
+            workload.loss(model(x), y).backward()
             optimizer.step()
             times.append(1000 * (time.perf_counter() - start))
             if len(times) == total:

@@ -1,4 +1,7 @@
-"""One precision-benchmark run: the digits classifier in one process, in fp32 or under ``MixedPrecision``.
+"""One precision-benchmark run: the spec's workload in one process, in fp32 or under ``MixedPrecision``.
+
+The workload (``benchmarks/_workloads.py``) is the digits classifier (``DigitsClassifier`` on the digits' training
+split, as before the GPT) or the demo ``GPT`` LightningModule (AdamW) on the windows of :func:`_workloads.build`.
 
 Started by ``benchmarks/precision.py`` with a JSON spec, in a fresh process per run so that the peak resident set size
 belongs to this run alone. Writes ``result.json``: every step's time and loss (the harness's ``StepTimer``), the peak
@@ -18,13 +21,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _workloads
 from benchmarks.harness.timing import StepTimer
 from ds_lightning.callbacks import MixedPrecision
-from ds_lightning.demos import DigitsClassifier, DigitsDataModule
+from ds_lightning.demos import GPT, DigitsClassifier, DigitsDataModule
 
 
 def peak_rss_bytes() -> int:
@@ -51,8 +55,8 @@ def is_weight_copy(tensor: torch.Tensor) -> bool:
     return False
 
 
-class CountingClassifier(DigitsClassifier):
-    """The digits classifier; counts the bytes its ``training_step`` saves for backward (each storage once).
+class SavedBytesCounter(pl.LightningModule):
+    """Counts the bytes a ``training_step`` saves for backward (each storage once); mixed in before the model class.
 
     Parameters are left out (fp32 keeps them anyway); autocast's low-precision copies of the weights, which fp32 does
     not need, are counted apart from the activations.
@@ -79,16 +83,35 @@ class CountingClassifier(DigitsClassifier):
         return loss
 
 
+class CountingClassifier(SavedBytesCounter, DigitsClassifier):
+    """The digits classifier, counting its saved bytes."""
+
+
+class CountingGPT(SavedBytesCounter, GPT):
+    """The demo GPT, counting its saved bytes."""
+
+
+def model_and_data(spec: dict[str, Any]) -> tuple[SavedBytesCounter, Dataset]:
+    """The module and training set of the spec's workload (the digits exactly as before the GPT was added)."""
+    workload = spec.get("workload", {"model": "digits"})
+    if workload["model"] == "digits":
+        data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
+        data.setup("fit")
+        assert data.train_set is not None
+        return CountingClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"]), data.train_set
+    train_set = _workloads.build(workload).train_set
+    torch.manual_seed(0)  # every arm starts from the same parameters
+    shape = {k: v for k, v in workload.items() if k in _workloads.GPT_DEFAULTS}
+    return CountingGPT(**shape), train_set
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     pl.seed_everything(0, verbose=False)
     cuda = spec["accelerator"] == "cuda"
-    data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
-    data.setup("fit")
-    assert data.train_set is not None
-    loader = DataLoader(data.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
-    model = CountingClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"])
+    model, train_set = model_and_data(spec)
+    loader = DataLoader(train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
     model.activation_bytes, model.weight_copy_bytes = [], []
     timer = StepTimer(warmup=spec["warmup"])
     callbacks: list[Callback] = [timer]

@@ -1,10 +1,12 @@
 """What do step time and peak memory do under MixedPrecision("bf16"), ("fp16") and ("auto") against fp32?
 
-Trains the digits classifier (``DigitsClassifier``, 64-1024-1024-10 by default, SGD lr 0.05 momentum 0.9, batch 256)
-in one process (1 thread on CPU; the GPU when CUDA is available, unless ``--accelerator cpu``), once per arm: *fp32*
-(no callback), *bf16* (``MixedPrecision("bf16")``: bf16 autocast, fp32 parameters and optimizer), *fp16*
-(``MixedPrecision("fp16")``: fp16 autocast with a ``GradScaler``) and *auto* (``MixedPrecision("auto")``: what the
-device runs fast). Target (issue 13): auto's step time within 10% of the faster of fp32 and bf16.
+Trains the ``--model`` workload (``benchmarks/_workloads.py``): the digits classifier (``DigitsClassifier``,
+64-1024-1024-10 by default, SGD lr 0.05 momentum 0.9, batch 256) or the demo ``GPT`` (AdamW lr 3e-4, batch 8 windows of
+128 tokens) on the standard library's text, in one process (1 thread on CPU; the GPU when CUDA is available, unless
+``--accelerator cpu``), once per arm: *fp32* (no callback), *bf16* (``MixedPrecision("bf16")``: bf16 autocast, fp32
+parameters and optimizer), *fp16* (``MixedPrecision("fp16")``: fp16 autocast with a ``GradScaler``) and *auto*
+(``MixedPrecision("auto")``: what the device runs fast). Throughput: samples (or tokens on the GPT) per second at a
+run's median step time. Target (issue 13): auto's step time within 10% of the faster of fp32 and bf16.
 
 Every run is a fresh process (so its peak RSS is its own); the arms are interleaved by the benchmark harness. Step
 time: the harness's ``StepTimer`` (batch start to batch end), median over the steps after the warm-up. Peak memory:
@@ -12,8 +14,10 @@ on CPU, how much the process's peak RSS (``ru_maxrss``) grew during ``fit``; on 
 Saved for backward: bytes autograd keeps for backward in one step (each storage once, parameters excluded), split
 into activations and autocast's low-precision weight copies. Ratios are per repeat against that repeat's fp32 run.
 
-    python benchmarks/precision.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--steps 20] [--warmup 3]
-        [--batch-size 256] [--hidden 1024 1024] [--configs fp32 bf16 fp16 auto] [--accelerator auto|cpu|cuda]
+    python benchmarks/precision.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+        [--steps 20 (GPT: 10)] [--warmup 3 (GPT: 2)] [--batch-size 256 (GPT: 8)] [--hidden 1024 1024]
+        [--configs fp32 bf16 fp16 auto] [--accelerator auto|cpu|cuda]
+        [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness
+from benchmarks import _workloads, harness
 from benchmarks.harness import Arm, Experiment, Panel, fmt
 
 WORKER = Path(__file__).resolve().parent / "_precision_worker.py"
@@ -42,9 +46,24 @@ LABELS = {
     "auto": 'MixedPrecision("auto")',
 }
 COLORS = {"fp32": "tab:gray", "bf16": "tab:blue", "fp16": "tab:orange", "auto": "tab:green"}
-KEYS = ("step_ms", "peak_mb", "activation_mb", "weight_copy_mb", "saved_mb", "final_loss")
+KEYS = ("step_ms", "throughput", "peak_mb", "activation_mb", "weight_copy_mb", "saved_mb", "final_loss")
 AUTO_TARGET = 1.10  # auto's step time / the faster of fp32 and bf16
 MB = 1024**2
+#: per-workload defaults of the options left unset: a full run, then --quick (fp16 on a CPU without native fp16 takes
+#: ~4 s per GPT step, so the GPT's runs are short)
+MODEL_DEFAULTS = {
+    "digits": ({"steps": 20, "warmup": 3, "batch_size": 256}, {"steps": 3, "warmup": 1}),
+    "gpt": ({"steps": 10, "warmup": 2, "batch_size": 8}, {"steps": 3, "warmup": 1}),
+}
+
+
+def model_defaults(opts: argparse.Namespace) -> argparse.Namespace:
+    """Fill ``--steps``, ``--warmup`` and ``--batch-size`` left unset from the workload's full or quick defaults."""
+    full, quick = MODEL_DEFAULTS[opts.model]
+    for key, value in {**full, **(quick if opts.quick else {})}.items():
+        if getattr(opts, key) is None:
+            setattr(opts, key, value)
+    return opts
 
 
 def cpu_info() -> dict[str, Any]:
@@ -62,26 +81,36 @@ def cpu_info() -> dict[str, Any]:
 class Precision(harness.Benchmark):
     name = "precision"
     description = __doc__
-    defaults = {"repeats": 3, "steps": 20, "warmup": 3}
-    quick = {"repeats": 1, "steps": 3, "warmup": 1}
+    models = ("digits", "gpt")
+    defaults = {"repeats": 3}
+    quick = {"repeats": 1}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=None, help="timed steps per run (20; 3 with --quick)")
-        parser.add_argument("--warmup", type=int, default=None, help="warm-up steps left out (3; 1 with --quick)")
-        parser.add_argument("--batch-size", type=int, default=256, help="batch size (256)")
+        parser.add_argument(
+            "--steps", type=int, default=None, help="timed steps per run (digits 20, GPT 10; --quick: 3)"
+        )
+        parser.add_argument(
+            "--warmup", type=int, default=None, help="warm-up steps left out (digits 3, GPT 2; --quick: 1)"
+        )
+        parser.add_argument("--batch-size", type=int, default=None, help="batch size (digits 256, GPT 8)")
         parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 1024], help="hidden widths (1024 1024)")
         parser.add_argument("--configs", nargs="+", choices=CONFIGS, default=list(CONFIGS), help="arms (all)")
         parser.add_argument("--accelerator", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA if any")
         parser.add_argument("--threads", type=int, default=1, help="torch threads per run on CPU (1)")
         parser.add_argument("--timeout", type=float, default=900.0, help="seconds one run may take (900)")
+        _workloads.add_options(parser)
 
     def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
         import torch
 
+        model_defaults(opts)
+        workload = _workloads.spec_of(opts)
         if opts.accelerator == "auto":
             opts.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         cuda = opts.accelerator == "cuda"
         return {
+            "workload": workload,
+            "workload_label": _workloads.label(workload, opts.hidden),
             "accelerator_used": opts.accelerator,
             "torch": torch.__version__,
             "cpu": cpu_info(),
@@ -105,6 +134,7 @@ class Precision(harness.Benchmark):
             "lr": LR,
             "warmup": opts.warmup,
             "steps": opts.steps,
+            "workload": _workloads.spec_of(opts),
         }
         env = harness.worker_env(opts.threads, rendezvous=False)
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, env)
@@ -130,7 +160,7 @@ class Precision(harness.Benchmark):
         )
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
-        records, arms = data["records"], list(data["arms"])
+        records, arms = with_throughput(data), list(data["arms"])
         s = harness.summarise(records, arms, KEYS, BASE)
         for arm in arms:
             s[arm]["chosen"] = sorted({r["chosen"] for r in harness.ok(records, arm)})
@@ -154,8 +184,8 @@ class Precision(harness.Benchmark):
 
     def report(self, data: dict[str, Any]) -> list[str]:
         s, cpu = data["summary"], data["cpu"]
-        hidden = "-".join(str(h) for h in data["settings"]["hidden"])
         st = data["settings"]
+        unit = unit_of(data)
         if data["accelerator_used"] == "cuda":
             device = f"CUDA ({data.get('cuda_device') or 'GPU'})"
             memory = "peak `torch.cuda.max_memory_allocated()` during `fit`"
@@ -169,6 +199,7 @@ class Precision(harness.Benchmark):
                 ", ".join(v["chosen"]) or "-",
                 fmt(v["step_ms"]),
                 fmt(v.get("step_ms_ratio"), ".2f"),
+                fmt(v.get("throughput"), ".0f"),
                 fmt(v["peak_mb"]),
                 fmt(v.get("peak_mb_ratio"), ".2f"),
                 fmt(v["activation_mb"], ".2f"),
@@ -180,10 +211,13 @@ class Precision(harness.Benchmark):
         ]
         headline = self.headline(data)
         return [
-            f"One process on {device}, DigitsClassifier 64-{hidden}-10 (SGD lr {LR} momentum 0.9), batch"
-            f" {st['batch_size']}, {st['warmup']} warm-up + {st['steps']} timed steps per run, {st['repeats']}"
-            " interleaved repeat(s), every run a fresh process.",
-            "Step time: batch start to batch end (forward, backward, optimizer step), median over a run's timed steps."
+            f"# fp32 against MixedPrecision on the {workload_label(data)}",
+            "",
+            f"One process on {device}, {trained(data)}, batch {st['batch_size']}"
+            f"{f' windows of {block_of(data)} tokens' if unit == 'tokens' else ''}, {st['warmup']} warm-up +"
+            f" {st['steps']} timed steps per run, {st['repeats']} interleaved repeat(s), every run a fresh process.",
+            "Step time: batch start to batch end (forward, backward, optimizer step), median over a run's timed steps;"
+            f" throughput: {unit} per second at that step time."
             f" **Peak memory: {memory}.** Saved for backward: bytes autograd keeps for backward in one step (the"
             " largest step; each storage once; parameters excluded), split into activations and autocast's"
             " low-precision weight copies. Median [min - max] over repeats; ratios per repeat against that repeat's"
@@ -195,6 +229,7 @@ class Precision(harness.Benchmark):
                     "trained in",
                     "step (ms)",
                     "vs fp32",
+                    f"{unit}/s",
                     "peak memory (MB)",
                     "vs fp32",
                     "activations saved (MB)",
@@ -213,21 +248,52 @@ class Precision(harness.Benchmark):
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
         gpu = data["accelerator_used"] == "cuda"
-        hidden = "-".join(str(h) for h in data["settings"]["hidden"])
         panels = [
             Panel("step_ms", "median step time (ms)", "step_ms_ratio"),
+            Panel("throughput", f"{unit_of(data)} per second", "throughput_ratio"),
             Panel(
                 "peak_mb", "peak memory (MB): " + ("CUDA allocated" if gpu else "RSS growth over fit"), "peak_mb_ratio"
             ),
             Panel("saved_mb", "saved for backward per step (MB; label: activations)", "activation_mb_ratio"),
         ]
         title = (
-            f"fp32 vs mixed precision, MLP 64-{hidden}-10, batch {data['settings']['batch_size']},"
+            f"fp32 vs mixed precision, {workload_label(data)}, batch {data['settings']['batch_size']}"
+            f"{f' x {block_of(data)} tokens' if unit_of(data) == 'tokens' else ''},"
             f" {data['accelerator_used']} (median, min-max over repeats; labels: ratio to fp32)"
         )
-        path = out / "precision.png"
+        path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
         harness.bar_panels(path, data["summary"], panels, title, COLORS)
         return [path]
+
+
+def unit_of(data: dict[str, Any]) -> str:
+    """What throughput counts: tokens on the GPT, samples on the digits (JSON from before ``--model``: digits)."""
+    return "tokens" if data.get("workload", {}).get("model") == "gpt" else "samples"
+
+
+def block_of(data: dict[str, Any]) -> int:
+    """Tokens per sample: the GPT's context, 1 for the digits."""
+    return int(data.get("workload", {}).get("block_size", 1))
+
+
+def with_throughput(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records, each run's throughput added: samples (tokens on the GPT) per second at its median step time
+    (derived here, so JSON written before it re-renders with it)."""
+    per_step = data["settings"]["batch_size"] * block_of(data)
+    return [{**r, "throughput": per_step * 1000 / r["step_ms"]} if r.get("step_ms") else r for r in data["records"]]
+
+
+def workload_label(data: dict[str, Any]) -> str:
+    """The workload's name; JSON from before ``--model`` trained the digits MLP of its ``hidden``."""
+    return data.get("workload_label") or _workloads.label({"model": "digits"}, data["settings"].get("hidden"))
+
+
+def trained(data: dict[str, Any]) -> str:
+    """The module and optimizer that trained."""
+    if unit_of(data) == "tokens":
+        return "the demo `GPT` (AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1)"
+    hidden = "-".join(str(h) for h in data["settings"]["hidden"])
+    return f"DigitsClassifier 64-{hidden}-10 (SGD lr {LR} momentum 0.9)"
 
 
 def findings(data: dict[str, Any]) -> list[str]:

@@ -1,0 +1,100 @@
+"""The mirrored benchmark's per-workload defaults and its reading of fabricated GPT and digits results."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import harness
+from benchmarks.harness.cli import parser, resolve
+from benchmarks.harness.writers import write_json
+from benchmarks.mirrored import COMPRESSIONS, STRATEGIES, Mirrored
+
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+
+
+def _opts(*argv: str) -> argparse.Namespace:
+    bench = Mirrored()
+    opts = resolve(bench, parser(bench).parse_args([*argv, "--out", "unused"]))
+    bench.meta(opts)  # completes the per-workload defaults
+    return opts
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ((), (150, 20, 32, 5)),
+        (("--quick",), (10, 2, 32, 1)),
+        (("--model", "gpt"), (30, 5, 8, 5)),
+        (("--model", "gpt", "--quick"), (4, 2, 8, 1)),
+        (("--model", "gpt", "--steps", "7", "--batch-size", "3"), (7, 5, 3, 5)),
+    ],
+)
+def test_per_workload_defaults_fill_only_what_is_unset(argv: tuple[str, ...], expected: tuple[int, ...]):
+    opts = _opts(*argv)
+    assert (opts.steps, opts.warmup, opts.batch_size, opts.repeats) == expected
+
+
+def test_meta_names_the_gpt_workload_and_its_shape():
+    meta = Mirrored().meta(_opts("--model", "gpt", "--gpt-layers", "2", "--gpt-block", "64"))
+    assert meta["workload"] == {"model": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "block_size": 64}
+    assert "byte-level GPT (2 layers" in meta["workload_label"] and "context 64" in meta["workload_label"]
+
+
+def _gpt_data() -> dict[str, Any]:
+    opts = _opts("--model", "gpt")
+    step_ms = {"ds_mirrored": 100.0, "lightning_ddp": 125.0, "plain_ddp": 80.0, "fp16": 90.0, "bf16": 95.0}
+    step_ms["powersgd"] = 110.0
+    full = 3.5e6
+    sent = {"ds_mirrored": full, "lightning_ddp": full, "fp16": full / 2, "bf16": full / 2, "powersgd": full / 4}
+    records = [
+        {
+            "arm": arm,
+            "repeat": 0,
+            "order": i,
+            "seconds": 30.0,
+            "rc": 0,
+            "step_ms": ms,
+            **({"comm_bytes_per_step": sent[arm], "uncompressed_bytes_per_step": full} if arm in sent else {}),
+        }
+        for i, (arm, ms) in enumerate(step_ms.items())
+    ]
+    settings = {k: v for k, v in vars(opts).items() if k not in ("out", "render")}
+    arms = {**{n: n for n in STRATEGIES}, **{c: f"ds_mirrored {c}" for c in COMPRESSIONS if c != "none"}}
+    return {"benchmark": "mirrored", "settings": settings, **Mirrored().meta(opts), "arms": arms, "records": records}
+
+
+def test_render_of_a_gpt_result_reports_tokens_per_second_in_gpt_files(tmp_path: Path, capsys):
+    pytest.importorskip("matplotlib")
+    write_json(tmp_path / "mirrored_gpt.json", _gpt_data())
+    harness.main(Mirrored(), ["--render", str(tmp_path / "mirrored_gpt.json")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mirrored_gpt.json", "mirrored_gpt.md", "mirrored_gpt.png"]
+    md = (tmp_path / "mirrored_gpt.md").read_text()
+    assert md.startswith("# ds_mirrored on the byte-level GPT (4 layers, d_model 128, 4 heads, context 128)")
+    assert "| strategy | step (ms) | tokens/s |" in md
+    # 2 processes x 8 windows x 128 tokens = 2048 tokens per step; at 100 ms, 20480 tokens/s
+    assert "| ds_mirrored | 100.00 | 20480 |" in md
+    assert "| **ds_mirrored / Lightning ddp (target <= 1.00)** | **0.800** |  |" in md
+    assert "| powersgd | 0.875 MB | 0.250x | 110.00 | 18618 |" in md
+    assert "samples/s" not in md
+
+
+def test_render_of_the_digits_results_from_before_the_gpt_says_samples_per_second(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    source = RESULTS / "mirrored.json"
+    if not source.exists():
+        pytest.skip("no digits results in this checkout")
+    data = json.loads(source.read_text())
+    assert "model" not in data["settings"]  # written before --model: must read as the digits
+    harness.main(Mirrored(), ["--render", str(source), "--out", str(tmp_path)])
+    md = (tmp_path / "mirrored.md").read_text()
+    assert md.startswith("# ds_mirrored on the digits MLP 64-1024-1024-10")
+    assert "| strategy | step (ms) | samples/s |" in md
+    first = min(harness.ok(data["records"], "ds_mirrored"), key=lambda r: r["repeat"])
+    rate = 2 * data["settings"]["batch_size"] * 1000 / first["step_ms"]  # samples of the global batch per second
+    assert (tmp_path / "mirrored.png").exists()
+    assert Mirrored().summarise(data)["ds_mirrored"]["throughput"]["runs"][0] == pytest.approx(rate)
