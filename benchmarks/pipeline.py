@@ -208,11 +208,13 @@ class Pipeline(harness.Benchmark):
     quick = {"repeats": 1, "procs": [2], "trace_steps": 2}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (40; GPT 10)")
-        parser.add_argument("--warmup", type=int, default=None, help="discarded steps first (5; GPT 4)")
+        parser.add_argument(
+            "--steps", type=int, default=None, help="timed steps per configuration (40, GPT 10; --quick 5, GPT 3)"
+        )
+        parser.add_argument("--warmup", type=int, default=None, help="discarded steps first (5, GPT 4; --quick 3)")
         parser.add_argument("--procs", type=int, nargs="+", default=None, help="processes = stages (2 4)")
         parser.add_argument(
-            "--ms", type=int, nargs="+", default=None, help="micro-batch counts (1 2 4 8 16; GPT 1 2 4 8)"
+            "--ms", type=int, nargs="+", default=None, help="micro-batch counts (1 2 4 8 16, GPT 1 2 4 8; --quick 2 4)"
         )
         parser.add_argument("--batch", type=int, default=None, help="rows per step (128; GPT 8 windows)")
         parser.add_argument("--timeout", type=float, default=600.0, help="seconds one launch may take (600)")
