@@ -1,6 +1,9 @@
 """One launch of the pipeline benchmark: every configuration of one (implementation, processes) pair.
 
-Started by ``benchmarks/pipeline.py`` with a JSON spec. ``--impl single`` runs one process (forward + backward + step,
+Started by ``benchmarks/pipeline.py`` with a JSON spec; its ``"workload"`` entry picks the model: the default 8 x
+(Linear(512, 512) + ReLU) on random data (MSE, SGD), or the byte-level GPT of ``benchmarks/_workloads.py`` on text
+windows (cross-entropy, AdamW), split into an embedding-led first stage, equal runs of blocks, and a last stage that
+ends with the final norm and the head. ``--impl single`` runs one process (forward + backward + step,
 optionally over m sequential chunks); ``hand`` spawns p ranks running a hand-written ``torch.distributed.pipelining``
 loop; ``ds`` runs one Lightning Trainer with ``ds_pipeline`` per configuration (Lightning's popen launcher re-runs this
 script per rank, and the process group stays up between fits). Each rank appends one JSON line per finished
@@ -10,6 +13,7 @@ configuration to ``<out_dir>/rank<r>.jsonl``, so a crash or a hang loses only th
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import json
 import os
@@ -26,7 +30,10 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks import _workloads
+
 WIDTH, DEPTH, BATCH, SAMPLES, LR = 512, 8, 128, 1024, 0.01
+GPT_LR, DISTINCT_BATCHES = 3e-4, 8
 
 
 # --- activation memory ------------------------------------------------------------------------------------------------
@@ -101,30 +108,91 @@ class Counted(nn.Module):
             return self.block(x)
 
 
-def make_net(seed: int) -> nn.Sequential:
-    torch.manual_seed(seed)
+def _workload(spec: dict[str, Any]) -> dict[str, Any]:
+    return spec.get("workload") or {"model": "digits"}
+
+
+def is_gpt(spec: dict[str, Any]) -> bool:
+    return _workload(spec)["model"] == "gpt"
+
+
+def batch_rows(spec: dict[str, Any]) -> int:
+    """Rows of one step's batch: random vectors for the default model, windows of text for the GPT."""
+    return int(spec.get("batch") or BATCH)
+
+
+@functools.cache
+def _gpt(workload: str, seed: int) -> _workloads.Workload:
+    return _workloads.build(json.loads(workload), seed=seed)
+
+
+def gpt_workload(spec: dict[str, Any]) -> _workloads.Workload:
+    """The GPT and its text, built once per process (every configuration starts from a copy of the same weights)."""
+    return _gpt(json.dumps(_workload(spec), sort_keys=True), spec["seed"])
+
+
+def make_net(spec: dict[str, Any]) -> nn.Sequential:
+    if is_gpt(spec):
+        return nn.Sequential(*(Counted(layer) for layer in copy.deepcopy(gpt_workload(spec).net)))
+    torch.manual_seed(spec["seed"])
     return nn.Sequential(*(Counted(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU())) for _ in range(DEPTH)))
 
 
-def make_data(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed + 1)
+def make_data(spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of every distinct batch, in order (steps cycle through them)."""
+    if is_gpt(spec):
+        windows = gpt_workload(spec).train_set
+        pairs = [windows[i] for i in range(DISTINCT_BATCHES * batch_rows(spec))]
+        return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
+    g = torch.Generator().manual_seed(spec["seed"] + 1)
     return torch.randn(SAMPLES, WIDTH, generator=g), torch.randn(SAMPLES, WIDTH, generator=g)
 
 
-def batches(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    x, y = make_data(seed)
-    return [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, SAMPLES, BATCH)]
+def batches(spec: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    x, y = make_data(spec)
+    rows = batch_rows(spec)
+    return [(x[i : i + rows], y[i : i + rows]) for i in range(0, len(x), rows)]
 
 
-def stage_blocks(net: nn.Sequential, stage: int, stages: int) -> nn.Sequential:
-    per = DEPTH // stages
-    return nn.Sequential(*net[stage * per : (stage + 1) * per])
+def loss_fn(spec: dict[str, Any]) -> Any:
+    return gpt_workload(spec).loss if is_gpt(spec) else F.mse_loss
 
 
-def unit_bytes(seed: int, stage: int, stages: int, m: int) -> int:
-    """Activation bytes one micro-batch (BATCH / m rows) leaves saved in one stage's blocks."""
-    blocks = stage_blocks(make_net(seed), stage, stages)
-    x = torch.randn(BATCH // m, WIDTH, requires_grad=stage > 0)
+def make_optimizer(spec: dict[str, Any], params: Any) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=GPT_LR) if is_gpt(spec) else torch.optim.SGD(params, lr=LR)
+
+
+def stage_balance(spec: dict[str, Any], stages: int) -> list[int]:
+    """Layers per stage: equal for the default model; for the GPT, the blocks split equally with the embedding on the
+    first stage and the final norm and head on the last (the benchmark refuses a block count p does not divide)."""
+    if not is_gpt(spec):
+        return [DEPTH // stages] * stages
+    per = (len(gpt_workload(spec).net) - 3) // stages  # the net: embedding, blocks, final norm, head
+    if stages == 1:
+        return [per + 3]
+    return [per + 1] + [per] * (stages - 2) + [per + 2]
+
+
+def stage_blocks(net: nn.Sequential, stage: int, stages: int, spec: dict[str, Any]) -> nn.Sequential:
+    balance = stage_balance(spec, stages)
+    first = sum(balance[:stage])
+    return nn.Sequential(*net[first : first + balance[stage]])
+
+
+def sample_input(spec: dict[str, Any], stage: int, rows: int) -> torch.Tensor:
+    """One micro-batch's input to ``stage``: token ids for the GPT's first stage, float activations after it."""
+    if not is_gpt(spec):
+        return torch.randn(rows, WIDTH, requires_grad=stage > 0)
+    shape = {**_workloads.GPT_DEFAULTS, **_workload(spec)}
+    if stage == 0:
+        return torch.randint(0, 256, (rows, shape["block_size"]))
+    return torch.randn(rows, shape["block_size"], shape["d_model"], requires_grad=True)
+
+
+def unit_bytes(spec: dict[str, Any], stage: int, stages: int, m: int) -> int:
+    """Activation bytes one micro-batch (batch / m rows) leaves saved in one stage's blocks."""
+    blocks = stage_blocks(make_net(spec), stage, stages, spec)
+    x = sample_input(spec, stage, batch_rows(spec) // m)
     base = METER.live
     METER.reset_peak()
     out = blocks(x)
@@ -153,11 +221,11 @@ def record(spec: dict[str, Any], rank: int, cfg: dict[str, Any], times: list[flo
 
 def run_single(spec: dict[str, Any]) -> None:
     torch.set_num_threads(1)
-    data = batches(spec["seed"])
+    data, loss = batches(spec), loss_fn(spec)
     for cfg in spec["configs"]:
         m = cfg["m"]
-        net = make_net(spec["seed"])
-        optimizer = torch.optim.SGD(net.parameters(), lr=LR)
+        net = make_net(spec)
+        optimizer = make_optimizer(spec, net.parameters())
         times: list[float] = []
         for step in range(spec["warmup"] + spec["steps"]):
             x, y = data[step % len(data)]
@@ -165,17 +233,17 @@ def run_single(spec: dict[str, Any]) -> None:
                 METER.reset_peak()
             start = time.perf_counter()
             if m == 1:
-                F.mse_loss(net(x), y).backward()
+                loss(net(x), y).backward()
             else:  # m sequential chunks, gradients accumulated: micro-batching without a pipeline
                 for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
-                    (F.mse_loss(net(xc), yc) / m).backward()
+                    (loss(net(xc), yc) / m).backward()
             optimizer.step()
             optimizer.zero_grad()
             elapsed = time.perf_counter() - start
             if step >= spec["warmup"]:
                 times.append(elapsed)
         peak = METER.peak
-        record(spec, 0, cfg, times, peak_bytes={"0": peak}, unit_bytes={"0": unit_bytes(spec["seed"], 0, 1, m)})
+        record(spec, 0, cfg, times, peak_bytes={"0": peak}, unit_bytes={"0": unit_bytes(spec, 0, 1, m)})
 
 
 # --- hand-written torch.distributed.pipelining loop -------------------------------------------------------------------
@@ -191,16 +259,16 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     p = spec["procs"]
     dist.init_process_group("gloo", rank=rank, world_size=p, timeout=timedelta(seconds=spec["dist_timeout"]))
-    data = batches(spec["seed"])
+    data, loss = batches(spec), loss_fn(spec)
     classes = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
     for cfg in spec["configs"]:
         dist.barrier()
         m = cfg["m"]
-        blocks = stage_blocks(make_net(spec["seed"]), rank, p)
+        blocks = stage_blocks(make_net(spec), rank, p, spec)
         recorder = SpanRecorder(rank, steps=spec["trace_steps"], skip_steps=1)
         stage = TracedStage(blocks, rank, p, torch.device("cpu"), recorder=recorder)
-        schedule = classes[cfg["schedule"]](stage, n_microbatches=m, loss_fn=F.mse_loss, scale_grads=True)
-        optimizer = torch.optim.SGD(blocks.parameters(), lr=LR)
+        schedule = classes[cfg["schedule"]](stage, n_microbatches=m, loss_fn=loss, scale_grads=True)
+        optimizer = make_optimizer(spec, blocks.parameters())
         times: list[float] = []
         for step in range(spec["warmup"] + spec["steps"]):
             x, y = data[step % len(data)]
@@ -220,7 +288,7 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
             if step >= spec["warmup"]:
                 times.append(elapsed)
         peak = METER.peak
-        unit = unit_bytes(spec["seed"], rank, p, m)
+        unit = unit_bytes(spec, rank, p, m)
         record(
             spec,
             rank,
@@ -265,19 +333,19 @@ def run_ds(spec: dict[str, Any]) -> None:
     from benchmarks.harness.timing import StepTimer
 
     class BenchModule(pl.LightningModule):
-        def __init__(self, seed: int) -> None:
+        def __init__(self) -> None:
             super().__init__()
-            self.net = make_net(seed)
+            self.net = make_net(spec)
 
         def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            return F.mse_loss(output, target)
+            return loss(output, target)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
             return self.pipeline_loss(self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=LR)
+            return make_optimizer(spec, self.parameters())
 
     class Timer(StepTimer):
         """The harness's clock; the activation peak restarts with the first timed step."""
@@ -289,7 +357,8 @@ def run_ds(spec: dict[str, Any]) -> None:
 
     torch.set_num_threads(1)
     p = spec["procs"]
-    x, y = make_data(spec["seed"])
+    x, y = make_data(spec)
+    loss = loss_fn(spec)
     traces = Path(spec["out_dir"]) / "ds_traces"
     for cfg in spec["configs"]:
         m = cfg["m"]
@@ -298,6 +367,7 @@ def run_ds(spec: dict[str, Any]) -> None:
         strategy = ds_lightning.PipelineStrategy(
             schedule=cfg["schedule"],
             n_microbatches=m,
+            balance=stage_balance(spec, p),
             trace_path=str(trace_path),
             trace_steps=spec["trace_steps"],
             timeout=float(spec["dist_timeout"]),
@@ -316,11 +386,11 @@ def run_ds(spec: dict[str, Any]) -> None:
             default_root_dir=spec["out_dir"],
             callbacks=[timer],
         )
-        loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False, drop_last=True)
-        trainer.fit(BenchModule(spec["seed"]), train_dataloaders=loader)
+        loader = DataLoader(TensorDataset(x, y), batch_size=batch_rows(spec), shuffle=False, drop_last=True)
+        trainer.fit(BenchModule(), train_dataloaders=loader)
         rank = trainer.global_rank
         peak = METER.peak
-        unit = unit_bytes(spec["seed"], rank, p, m)
+        unit = unit_bytes(spec, rank, p, m)
         spans = _spans_from_chrome(trace_path) if rank == 0 and trace_path.exists() else []
         times = [ms / 1000 for ms in timer.step_ms[spec["warmup"] :]]
         record(spec, rank, cfg, times, peak_bytes={str(rank): peak}, unit_bytes={str(rank): unit}, spans=spans)

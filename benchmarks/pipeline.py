@@ -10,11 +10,20 @@ benchmark harness, which interleaves the launches repeat by repeat. It also meas
 to the formula (p-1)/(m+p-1)) and the peak activation memory per stage, counted with saved-tensor hooks (in units of one
 micro-batch's activations).
 
-Besides ``pipeline.json/.md/.png`` it writes, for p=2 and m=8, a Chrome trace and a PNG timeline per schedule and
-implementation (``pipeline_trace_<impl>_<schedule>.json/.png``).
+``--model gpt`` runs the same comparison on the byte-level GPT of ``benchmarks/_workloads.py`` (batch 8 windows of
+128 tokens, cross-entropy, AdamW; the embedding on the first stage, equal runs of blocks, the final norm and head on the
+last), with throughput in tokens/s; its results go to ``pipeline_gpt.*``.
 
-    python benchmarks/pipeline.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--steps 40] [--warmup 5]
-        [--procs 2 4] [--ms 1 2 4 8 16] [--timeout 600] [--dist-timeout 120]
+Besides ``pipeline.json/.md/.png`` it writes a chart of peak activation memory per stage (``pipeline_memory.png``) and,
+for p=2 and m=8, a Chrome trace and a PNG timeline per schedule and implementation
+(``pipeline_trace_<impl>_<schedule>.json/.png``); under ``--model gpt`` every name starts ``pipeline_gpt``.
+
+    python benchmarks/pipeline.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+        [--steps 40] [--warmup 5] [--procs 2 4] [--ms 1 2 4 8 16] [--batch 128] [--timeout 600] [--dist-timeout 120]
+        [--gpt-layers 4] [--gpt-heads 4] [--gpt-width 128] [--gpt-block 128]
+
+``--model digits`` (the default) keeps this benchmark's own 8 x Linear(512, 512) model on random data rather than the
+digits MLP, so its results stay comparable with earlier runs.
 """
 
 from __future__ import annotations
@@ -29,20 +38,74 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness
+from benchmarks import _workloads, harness
+from benchmarks._pipeline_report import (
+    IMPLS,
+    LABELS,
+    SCHEDULES,
+    TRACE_M,
+    config_key,
+    markdown,
+    runs_of,
+    write_chart,
+    write_memory_chart,
+    write_traces,
+)
 from benchmarks.harness import Arm, Experiment
-from ds_lightning.pipeline.trace import SpanRecorder, bubble_fraction, render_timeline_png, write_chrome_trace
+from ds_lightning.pipeline.trace import SpanRecorder, bubble_fraction
 
 WORKER = Path(__file__).resolve().parent / "_pipeline_worker.py"
-SCHEDULES = ("GPipe", "1F1B")
-IMPLS = ("hand", "ds")
-LABELS = {"single": "single process", "hand": "hand-written loop", "ds": "ds_pipeline"}
-TRACE_P, TRACE_M = 2, 8
-TARGET = 1.05
+DIGITS_DEPTH = 8
+# Per-model values of the options left unset: a full run, then what --quick changes.
+MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
+    "digits": {"steps": 40, "warmup": 5, "ms": [1, 2, 4, 8, 16], "batch": 128},
+    "gpt": {"steps": 10, "warmup": 4, "ms": [1, 2, 4, 8], "batch": 8},
+}
+MODEL_QUICK: dict[str, dict[str, Any]] = {
+    "digits": {"steps": 5, "warmup": 3, "ms": [2, 4]},
+    "gpt": {"steps": 3, "warmup": 3, "ms": [2, 4]},
+}
 
 
-def config_key(impl: str, p: int, schedule: str, m: int) -> str:
-    return f"{impl}|p{p}|{schedule}|m{m}"
+def model_defaults(opts: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options still ``None`` with the workload's defaults (``--quick``'s where it has one)."""
+    model = getattr(opts, "model", "digits")
+    for key, value in {**MODEL_DEFAULTS[model], **(MODEL_QUICK[model] if opts.quick else {})}.items():
+        if getattr(opts, key, None) is None:
+            setattr(opts, key, value)
+    return opts
+
+
+def check_split(opts: argparse.Namespace) -> None:
+    """Refuse a p that does not split the model's blocks equally, or an m that does not split the batch."""
+    blocks = opts.gpt_layers if opts.model == "gpt" else DIGITS_DEPTH
+    bad = [p for p in opts.procs if p < 2 or blocks % p] + [m for m in opts.ms if m < 1 or opts.batch % m]
+    if bad:
+        raise SystemExit(
+            f"{bad}: p must be at least 2 and divide the model's {blocks} blocks, and m divide the batch of"
+            f" {opts.batch} rows; e.g. --procs 2 --ms 1 2 4"
+        )
+
+
+def workload_label(settings: dict[str, Any]) -> str:
+    """The results page's name for what was trained."""
+    if settings.get("model") != "gpt":
+        return f"8 x (Linear(512, 512) + ReLU), batch {settings.get('batch', 128)}, MSE, SGD"
+    workload = {
+        "model": "gpt",
+        "n_layer": settings["gpt_layers"],
+        "n_head": settings["gpt_heads"],
+        "d_model": settings["gpt_width"],
+        "block_size": settings["gpt_block"],
+    }
+    return f"{_workloads.label(workload)}, batch {settings['batch']} windows, cross-entropy, AdamW"
+
+
+def throughput_basis(settings: dict[str, Any]) -> tuple[int, str]:
+    """Units one step processes (rows, or rows x context for the GPT) and their name."""
+    if settings.get("model") == "gpt":
+        return settings["batch"] * settings["gpt_block"], "tokens"
+    return settings.get("batch", 128), "samples"
 
 
 def _merge(lines: list[dict[str, Any]], procs: int) -> dict[str, dict[str, Any]]:
@@ -68,7 +131,8 @@ def run_launches(impl: str, p: int, configs: list[dict[str, Any]], opts: argpars
     remaining = list(configs)
     while remaining:
         spec = {"impl": impl, "procs": p, "configs": remaining, "seed": 0, "dist_timeout": opts.dist_timeout}
-        spec.update(warmup=opts.warmup, steps=opts.steps, trace_steps=opts.trace_steps)
+        spec.update(warmup=opts.warmup, steps=opts.steps, trace_steps=opts.trace_steps, batch=opts.batch)
+        spec["workload"] = _workloads.spec_of(opts)
         try:
             found, _, log = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1), outputs="rank*.jsonl")
         except harness.Failed as exc:
@@ -88,11 +152,6 @@ def run_launches(impl: str, p: int, configs: list[dict[str, Any]], opts: argpars
         results[failed["key"]] = {"error": reason, "log_tail": log[-1500:]}
         print(f"  FAILED {failed['key']}: {reason}; log tail:\n{log[-1500:]}", flush=True)
     return results
-
-
-def runs_of(records: list[dict[str, Any]], key: str) -> list[dict[str, Any]]:
-    """One configuration's result in every repeat that got to it, in repeat order."""
-    return [r["configs"][key] for r in sorted(records, key=lambda r: r["repeat"]) if key in r.get("configs", {})]
 
 
 def step_by_repeat(records: list[dict[str, Any]], key: str) -> dict[int, float]:
@@ -135,15 +194,6 @@ def formula(p: int, m: int) -> float:
     return (p - 1) / (m + p - 1)
 
 
-def expected_units(schedule: str, p: int, m: int, stage: int) -> int:
-    """Micro-batches of activations a stage holds at its peak."""
-    return m if schedule == "GPipe" else min(m, p - stage)
-
-
-def _cell(v: dict[str, Any] | None, f: str = ".1f") -> str:
-    return "failed" if v is None else harness.fmt(v, f)
-
-
 def pipe_configs(p: int, ms: list[int]) -> list[dict[str, Any]]:
     """Every (schedule, m) for p stages; 1F1B needs n_microbatches >= stages."""
     return [{"schedule": s, "m": m} for s in SCHEDULES for m in ms if not (s == "1F1B" and m < p)]
@@ -152,26 +202,33 @@ def pipe_configs(p: int, ms: list[int]) -> list[dict[str, Any]]:
 class Pipeline(harness.Benchmark):
     name = "pipeline"
     description = __doc__
-    defaults = {"repeats": 3, "steps": 40, "warmup": 5, "procs": [2, 4], "ms": [1, 2, 4, 8, 16], "trace_steps": 3}
-    quick = {"repeats": 1, "steps": 5, "warmup": 3, "procs": [2], "ms": [2, 4], "trace_steps": 2}
+    models = ("digits", "gpt")
+    # steps, warmup, ms and batch depend on the workload: see MODEL_DEFAULTS
+    defaults = {"repeats": 3, "procs": [2, 4], "trace_steps": 3}
+    quick = {"repeats": 1, "procs": [2], "trace_steps": 2}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (40)")
-        parser.add_argument("--warmup", type=int, default=None, help="discarded steps first (5)")
+        parser.add_argument(
+            "--steps", type=int, default=None, help="timed steps per configuration (40, GPT 10; --quick 5, GPT 3)"
+        )
+        parser.add_argument("--warmup", type=int, default=None, help="discarded steps first (5, GPT 4; --quick 3)")
         parser.add_argument("--procs", type=int, nargs="+", default=None, help="processes = stages (2 4)")
-        parser.add_argument("--ms", type=int, nargs="+", default=None, help="micro-batch counts (1 2 4 8 16)")
+        parser.add_argument(
+            "--ms", type=int, nargs="+", default=None, help="micro-batch counts (1 2 4 8 16, GPT 1 2 4 8; --quick 2 4)"
+        )
+        parser.add_argument("--batch", type=int, default=None, help="rows per step (128; GPT 8 windows)")
         parser.add_argument("--timeout", type=float, default=600.0, help="seconds one launch may take (600)")
         parser.add_argument("--dist-timeout", type=int, default=120, help="seconds a collective may wait (120)")
         parser.add_argument("--trace-steps", type=int, default=None, help=argparse.SUPPRESS)
+        _workloads.add_options(parser)
 
     def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
+        model_defaults(opts)
         opts.procs, opts.ms = sorted(opts.procs), sorted(opts.ms)
-        bad = [p for p in opts.procs if p < 2 or 8 % p] + [m for m in opts.ms if m < 1 or 128 % m]
-        if bad:
-            raise SystemExit(f"{bad}: p must divide the 8 blocks (2, 4, 8) and m the batch of 128")
+        check_split(opts)
         # Traced steps are steps 1..trace_steps (after one skipped), kept inside the discarded warm-up.
         opts.warmup = max(opts.warmup, opts.trace_steps + 1)
-        return {"cpus": os.cpu_count(), "model": "8 x (Linear(512, 512) + ReLU), batch 128, MSE, SGD(lr=0.01)"}
+        return {"cpus": os.cpu_count(), "workload": workload_label(vars(opts))}
 
     def experiment(self, opts: argparse.Namespace) -> Experiment:
         arms = [Arm("single", {"impl": "single", "p": 1}, LABELS["single"])]
@@ -210,180 +267,22 @@ class Pipeline(harness.Benchmark):
                 hand, ds = (step_by_repeat(records, config_key(impl, p, s, m)) for impl in IMPLS)
                 entry["ratio_ds_over_hand"] = harness.spread(ds[k] / hand[k] for k in sorted(set(hand) & set(ds)))
                 configs.append(entry)
-        meta = {"procs": procs, "ms": ms, "trace_m": trace_m}
+        per_step, unit = throughput_basis(st)
+        meta = {"procs": procs, "ms": ms, "trace_m": trace_m, "workload": workload_label(st)}
+        meta.update(per_step=per_step, unit=unit)
         return {"meta": meta, "single": single, "configs": configs}
 
     def report(self, data: dict[str, Any]) -> list[str]:
         return markdown(data)
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        write_chart(data, out)
-        return [out / "pipeline.png", *write_traces(data["records"], data["summary"]["meta"]["trace_m"], out)]
-
-
-def markdown(data: dict[str, Any]) -> list[str]:
-    """The tables."""
-    s = data["summary"]
-    meta = {**data["settings"], **s["meta"], "seconds": data.get("seconds", 0), "cpus": data.get("cpus")}
-    single = {int(m): v for m, v in s["single"].items()}
-    base = single[1]["step_ms"]
-    lines = [
-        f"8 x (Linear(512, 512) + ReLU), batch 128, MSE, SGD; p CPU processes (gloo, 1 thread each) on a machine with"
-        f" {meta['cpus']} cores; {meta['steps']} timed steps per configuration after {meta['warmup']} warm-up steps,"
-        f" {meta['repeats']} interleaved repeat(s). Median over repeats of per-run medians [min - max]. Total run"
-        f" {meta['seconds'] / 60:.1f} min.",
-        "",
-        f"Single process, whole batch: **{_cell(base, '.2f')} ms/step**.",
-        "",
-        "## Step time (ms)",
-        "",
-        "`single, m chunks` runs the m micro-batches one after another in one process (gradient accumulation): the"
-        " cost of micro-batching alone, without a pipeline.",
-        "",
-        f"| p | schedule | m | single, m chunks | hand-written loop | ds_pipeline | ds / hand (target <= {TARGET}) |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for c in s["configs"]:
-        ratio = c["ratio_ds_over_hand"]
-        ratio_text = "n/a" if ratio is None else _cell(ratio, ".3f")
-        if ratio is not None:
-            ratio_text = f"**{ratio_text}**" + ("" if ratio["median"] <= TARGET else " (above target)")
-        chunks = single.get(c["m"], {}).get("step_ms")
-        lines.append(
-            f"| {c['p']} | {c['schedule']} | {c['m']} | {_cell(chunks)} | {_cell(c['hand']['step_ms'])}"
-            f" | {_cell(c['ds']['step_ms'])} | {ratio_text} |"
-        )
-    lines += [
-        "",
-        "## Bubble: measured from spans vs (p-1)/(m+p-1)",
-        "",
-        f"Measured: 1 - busy / (p x step length), median over steps 2-{meta['trace_steps'] + 1} (traced inside the"
-        " discarded warm-up, so tracing never touches a timed step); a step runs from its first span's start to its"
-        f" last span's end, so the optimizer step is outside. Traces of p={TRACE_P}, m={meta['trace_m']}:"
-        " `pipeline_trace_*.json` (Chrome / Perfetto) and `.png`.",
-        "",
-        "| p | schedule | m | formula | hand-written loop | ds_pipeline |",
-        "|---|---|---|---|---|---|",
-    ]
-    for c in s["configs"]:
-        lines.append(
-            f"| {c['p']} | {c['schedule']} | {c['m']} | {c['bubble_formula']:.3f}"
-            f" | {_cell(c['hand'].get('bubble'), '.3f')} | {_cell(c['ds'].get('bubble'), '.3f')} |"
-        )
-    lines += [
-        "",
-        "## Peak activation memory per stage",
-        "",
-        "Bytes saved for backward inside the blocks (saved-tensor hooks, parameters excluded), peak over the timed"
-        " steps, per stage; units = one micro-batch's activations in that stage. Expected: GPipe m, 1F1B p - stage"
-        " (at most p).",
-        "",
-        "| p | schedule | m | hand: MB per stage | hand: units | ds_pipeline: units | expected units |",
-        "|---|---|---|---|---|---|---|",
-    ]
-
-    def units(entry: dict[str, Any]) -> str:
-        return " / ".join(f"{u:.2f}" for u in entry["peak_units"].values()) if "peak_units" in entry else "failed"
-
-    for c in s["configs"]:
-        hand = c["hand"]
-        mb = " / ".join(f"{b / 2**20:.2f}" for b in hand["peak_bytes"].values()) if "peak_bytes" in hand else "failed"
-        expected = " / ".join(str(expected_units(c["schedule"], c["p"], c["m"], s)) for s in range(c["p"]))
-        lines.append(
-            f"| {c['p']} | {c['schedule']} | {c['m']} | {mb} | {units(hand)} | {units(c['ds'])} | {expected} |"
-        )
-    single_mem = " / ".join(
-        f"m={m}: {v['peak_bytes'][0] / 2**20:.2f} MB" for m, v in single.items() if "peak_bytes" in v
-    )
-    lines += ["", f"Single process peak activations: {single_mem}."]
-    failures = [
-        f"- p={c['p']} {c['schedule']} m={c['m']} {LABELS[impl]}: {c[impl]['failed_runs']} failed repeat(s):"
-        f" {'; '.join(dict.fromkeys(c[impl]['errors']))}"
-        for c in s["configs"]
-        for impl in IMPLS
-        if c[impl]["failed_runs"]
-    ]
-    failures += [
-        f"- single process m={m}: {v['failed_runs']} failed repeat(s): {'; '.join(dict.fromkeys(v['errors']))}"
-        for m, v in single.items()
-        if v["failed_runs"]
-    ]
-    if failures:
-        lines += ["", "## Failures", "", *failures]
-    return lines
-
-
-def write_chart(data: dict[str, Any], out: Path) -> None:
-    """Step time against m, one panel per p."""
-    s = data["summary"]
-    import matplotlib  # here: running the benchmark needs no matplotlib until it writes
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    procs = s["meta"]["procs"]
-    fig, axes = plt.subplots(1, len(procs), figsize=(max(8.0, 6.5 * len(procs)), 4.8), squeeze=False)
-    styles = {
-        ("hand", "GPipe"): ("tab:blue", "o", "-"),
-        ("ds", "GPipe"): ("tab:blue", "s", "--"),
-        ("hand", "1F1B"): ("tab:orange", "o", "-"),
-        ("ds", "1F1B"): ("tab:orange", "s", "--"),
-    }
-    single = {int(m): v for m, v in s["single"].items()}
-    for ax, p in zip(axes[0], procs, strict=True):
-        for (impl, schedule), (colour, marker, line) in styles.items():
-            points = [
-                (c["m"], c[impl]["step_ms"])
-                for c in s["configs"]
-                if c["p"] == p and c["schedule"] == schedule and c[impl]["step_ms"] is not None
-            ]
-            if not points:
-                continue
-            ms = [m for m, _ in points]
-            med = [v["median"] for _, v in points]
-            err = [[v["median"] - v["min"] for _, v in points], [v["max"] - v["median"] for _, v in points]]
-            ax.errorbar(
-                ms,
-                med,
-                yerr=err,
-                color=colour,
-                marker=marker,
-                linestyle=line,
-                capsize=3,
-                label=f"{LABELS[impl]} {schedule}",
-            )
-        chunks = [(m, v["step_ms"]["median"]) for m, v in sorted(single.items()) if v["step_ms"] is not None]
-        if chunks:
-            ax.plot([m for m, _ in chunks], [v for _, v in chunks], "k:", marker="^", label="single process, m chunks")
-        if single[1]["step_ms"] is not None:
-            ax.axhline(single[1]["step_ms"]["median"], color="grey", linewidth=0.8, label="single process, whole batch")
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(s["meta"]["ms"], [str(m) for m in s["meta"]["ms"]])
-        ax.set_xlabel("micro-batches m")
-        ax.set_ylabel("median step time (ms)")
-        ax.set_title(f"p = {p} stages (CPU processes), min-max over repeats")
-        ax.legend(fontsize=8)
-    fig.suptitle("ds_pipeline vs hand-written torch pipelining, 8 x (Linear(512, 512) + ReLU), batch 128")
-    fig.tight_layout()
-    fig.savefig(out / "pipeline.png", dpi=110)
-    plt.close(fig)
-
-
-def write_traces(records: list[dict[str, Any]], m: int, out: Path) -> list[Path]:
-    """The last good run's spans at p=TRACE_P and m: a Chrome trace and a PNG timeline per implementation, schedule."""
-    written = []
-    for impl in IMPLS:
-        for schedule in SCHEDULES:
-            key = config_key(impl, TRACE_P, schedule, m)
-            runs = [c for c in runs_of(records, key) if "error" not in c and c["spans"]]
-            if not runs:
-                continue
-            spans = SpanRecorder.from_payload(runs[-1]["spans"])
-            stem = out / f"pipeline_trace_{impl}_{schedule}"
-            write_chrome_trace(spans, stem.with_suffix(".json"))
-            render_timeline_png(spans, stem.with_suffix(".png"), title=f"{LABELS[impl]} {schedule}, p={TRACE_P}, m={m}")
-            written += [stem.with_suffix(".json"), stem.with_suffix(".png")]
-    return written
+        stem = harness.stem(self, data["settings"].get("model"))
+        trace_m = data["summary"]["meta"]["trace_m"]
+        return [
+            write_chart(data, out / f"{stem}.png"),
+            write_memory_chart(data, out / f"{stem}_memory.png"),
+            *write_traces(data["records"], trace_m, out, stem),
+        ]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,146 @@
+"""The pipeline benchmark: its per-model defaults, the GPT's stage split, a render of fabricated GPT records, and one
+real launch of each implementation on a tiny GPT (2 gloo processes)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import _pipeline_worker as worker
+from benchmarks import harness
+from benchmarks.harness.cli import parser, resolve
+from benchmarks.pipeline import Pipeline, config_key, run_launches
+
+TINY_GPT = {"model": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 16}
+
+
+def _opts(*argv: str) -> Any:
+    bench = Pipeline()
+    opts = resolve(bench, parser(bench).parse_args(["--out", "unused", *argv]))
+    bench.meta(opts)
+    return opts
+
+
+def test_defaults_depend_on_the_model_and_quick():
+    digits = _opts()
+    assert (digits.steps, digits.warmup, digits.ms, digits.batch, digits.procs) == (
+        40,
+        5,
+        [1, 2, 4, 8, 16],
+        128,
+        [2, 4],
+    )
+    gpt = _opts("--model", "gpt")
+    assert (gpt.steps, gpt.warmup, gpt.ms, gpt.batch, gpt.procs) == (10, 4, [1, 2, 4, 8], 8, [2, 4])
+    quick = _opts("--model", "gpt", "--quick")
+    assert (quick.steps, quick.warmup, quick.ms, quick.batch, quick.procs) == (3, 3, [2, 4], 8, [2])
+    given = _opts("--model", "gpt", "--steps", "7", "--ms", "4", "2", "--batch", "16")
+    assert (given.steps, given.ms, given.batch) == (7, [2, 4], 16)
+
+
+def test_refuses_a_split_that_does_not_divide():
+    with pytest.raises(SystemExit, match="divide the model's 4 blocks"):
+        _opts("--model", "gpt", "--procs", "3")
+    with pytest.raises(SystemExit, match="batch of 8 rows"):
+        _opts("--model", "gpt", "--ms", "16")
+    with pytest.raises(SystemExit, match="divide the model's 6 blocks"):
+        _opts("--model", "gpt", "--gpt-layers", "6", "--procs", "4")
+
+
+def test_gpt_stages_chain_to_the_whole_net_from_token_ids():
+    spec = {"seed": 0, "batch": 4, "workload": TINY_GPT}
+    assert worker.stage_balance(spec, 2) == [2, 3]  # embedding + block | block + norm + head
+    assert worker.stage_balance({**spec, "workload": {**TINY_GPT, "n_layer": 4}}, 4) == [2, 1, 1, 3]
+    assert worker.stage_balance({"seed": 0}, 4) == [2, 2, 2, 2]
+    net = worker.make_net(spec)
+    x, y = worker.batches(spec)[0]
+    assert x.dtype == torch.int64 and x.shape == (4, 16) and y.shape == (4, 16)
+    out = x
+    for stage in range(2):
+        out = worker.stage_blocks(net, stage, 2, spec)(out)
+    torch.testing.assert_close(out, net(x))
+    assert worker.sample_input(spec, 0, 2).dtype == torch.int64
+    assert worker.sample_input(spec, 1, 2).shape == (2, 16, 32)
+    # Half the rows per micro-batch, half the saved activations.
+    assert worker.unit_bytes(spec, 1, 2, 2) == 2 * worker.unit_bytes(spec, 1, 2, 4) > 0
+
+
+def _config(step_ms: float, peaks: list[int], unit: int) -> dict[str, Any]:
+    return {
+        "median_step_ms": step_ms,
+        "step_ms": [step_ms],
+        "peak_bytes": {str(s): b for s, b in enumerate(peaks)},
+        "unit_bytes": {str(s): unit for s in range(len(peaks))},
+        "spans": [],
+    }
+
+
+def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
+    mb = 2**20
+    records = []
+    for repeat in range(1):
+        records += [
+            {
+                "arm": "single",
+                "repeat": repeat,
+                "configs": {config_key("single", 1, "seq", 1): _config(200, [8 * mb], 8 * mb)},
+            },
+            {
+                "arm": "hand p=2",
+                "repeat": repeat,
+                "configs": {config_key("hand", 2, "GPipe", 1): _config(125, [2 * mb, 3 * mb], 2 * mb)},
+            },
+            {
+                "arm": "ds p=2",
+                "repeat": repeat,
+                "configs": {config_key("ds", 2, "GPipe", 1): _config(100, [2 * mb, 3 * mb], 2 * mb)},
+            },
+        ]
+    settings = {"model": "gpt", "procs": [2], "ms": [1], "batch": 8, "steps": 10, "warmup": 4, "repeats": 1}
+    settings.update(trace_steps=3, gpt_layers=4, gpt_heads=4, gpt_width=128, gpt_block=128)
+    data = {"benchmark": "pipeline", "settings": settings, "records": records, "cpus": 2, "seconds": 60}
+    harness.write_json(tmp_path / "pipeline_gpt.json", data)
+    harness.main(Pipeline(), ["--render", str(tmp_path / "pipeline_gpt.json")])
+    md = (tmp_path / "pipeline_gpt.md").read_text()
+    assert "byte-level GPT (4 layers, d_model 128, 4 heads, context 128)" in md
+    assert "1,024 tokens per step" in md
+    assert "5,120 tokens/s" in md  # single process: 8 x 128 tokens in 200 ms
+    # hand 125 ms -> 8,192 tokens/s, ds 100 ms -> 10,240 tokens/s, ratio 0.8
+    assert "| 2 | GPipe | 1 | 200.0 | 125.0 | 100.0 | 8,192 | 10,240 | **0.800** |" in md
+    assert "| 2 | GPipe | 1 | 2.00 / 3.00 | 2.00 / 3.00 | 1.00 / 1.50 | 1.00 / 1.50 | 1 / 1 |" in md
+    for name in ("pipeline_gpt.png", "pipeline_gpt_memory.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "pipeline.md").exists() and not (tmp_path / "pipeline.png").exists()
+    summary = json.loads(json.dumps(Pipeline().summarise(data)))
+    assert summary["meta"]["unit"] == "tokens" and summary["meta"]["per_step"] == 1024
+
+
+@pytest.mark.parametrize("impl", ["hand", "ds"])
+def test_tiny_gpt_runs_both_schedules_with_activations_per_stage(impl: str, tmp_path: Path):
+    opts = _opts(
+        "--model",
+        "gpt",
+        "--procs",
+        "2",
+        "--gpt-layers",
+        "2",
+        "--gpt-heads",
+        "2",
+        "--gpt-width",
+        "32",
+        "--gpt-block",
+        "16",
+    )
+    opts.steps, opts.warmup, opts.trace_steps, opts.batch, opts.timeout = 1, 2, 1, 4, 300.0
+    configs = [{"schedule": s, "m": 2, "key": config_key(impl, 2, s, 2)} for s in ("GPipe", "1F1B")]
+    results = run_launches(impl, 2, configs, opts)
+    for schedule, expected in (("GPipe", [2, 2]), ("1F1B", [2, 1])):
+        result = results[config_key(impl, 2, schedule, 2)]
+        assert "error" not in result, result
+        assert result["median_step_ms"] > 0
+        units = [result["peak_bytes"][str(s)] / result["unit_bytes"][str(s)] for s in range(2)]
+        assert units == pytest.approx(expected), (schedule, units)
