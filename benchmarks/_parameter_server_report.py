@@ -72,7 +72,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     figure = "validation perplexity" if gpt else "validation accuracy (%)"
     ax1.set_xlabel(f"training {what} seen (all workers)")
     ax1.set_ylabel(f"{figure}, rank 0's parameters")
-    if not gpt:
+    if gpt:
+        ax1.set_yscale("log")  # from 256 (uniform bytes) down to tens
+    else:
         ax1.set_ylim(50, 100)
     ax1.set_title(f"with a {slowdown:g}x straggler: {figure} vs {what} (every repeat; dot = final)")
     ax1.legend(fontsize=8, loc="upper right" if gpt else "lower right")

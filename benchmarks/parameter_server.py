@@ -296,7 +296,9 @@ class ParameterServer(harness.Benchmark):
         )
         final = (
             f"Final figure: validation perplexity of rank 0's final parameters on the first {st.get('val_windows')}"
-            " validation windows (the same for every configuration)."
+            " validation windows (the same for every configuration). With max_staleness 4 or None every push is one"
+            " server update of one worker's batch, so at equal tokens those runs make twice the AdamW updates of"
+            " ds_mirrored and max_staleness=0, each on half the batch."
             if gpt
             else "Final figure: validation accuracy of rank 0's final parameters."
         )
