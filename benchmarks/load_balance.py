@@ -395,7 +395,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax1.legend(fontsize=8, loc="lower right")
     ratio = data["summary"][BALANCED]["epoch_s_ratio"]
     what, per_sample = unit(st)
-    title = f"{_workloads.label(_workloads.spec_of(argparse.Namespace(**st)), st['hidden']).split(' on ')[0]}: rank"
+    title = f"{_workloads.label(_workloads.spec_of(argparse.Namespace(**st)), st['hidden']).split(' on ')[0]}\nrank"
     title += f" {SLOW_RANK} {st['slowdown']:g}x slower per sample, global batch {st['global_batch']}"
     if what == "tokens":
         title += f" windows of {per_sample} tokens"
