@@ -1,4 +1,4 @@
-"""The load-balance benchmark's per-model defaults and its rendering of a fabricated GPT result (nothing runs)."""
+"""The load-balance benchmark: per-model defaults, a fabricated GPT result rendered, the worker's validation windows."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from benchmarks import _load_balance_worker as worker
 from benchmarks import harness
 from benchmarks.load_balance import LoadBalance, per_model, reading
 
@@ -68,3 +71,16 @@ def test_render_of_a_gpt_result_in_tokens_per_second(tmp_path: Path):
     assert "| epoch time with DynamicLoadBalancer vs equal split (ideal 0.667x) | <= 0.75x | 0.700 | PASS |" in md
     assert "final val acc" not in md
     assert (tmp_path / "load_balance_gpt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_worker_judges_the_gpt_by_perplexity_on_the_first_validation_windows():
+    spec = {"workload": {"model": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 16}}
+    spec.update(seed=0, lr=1e-3, val_windows=4, global_batch_size=4, slow_rank=1, delay_per_sample=0.0)
+    model, train_set, (x, y), metric = worker.make_model(spec)
+    assert metric == "ppl" and isinstance(model, worker.SlowWorkload) and len(train_set) > 0
+    assert x.shape == y.shape == (4, 16) and torch.equal(x[:, 1:], y[:, :-1])
+    assert torch.equal(x, worker.make_model(spec)[2][0])
+    assert 100 < worker.evaluate(model, (x, y), metric) < 600  # untrained: about the 256 of a uniform guess
+    digits = worker.make_model({**spec, "workload": {"model": "digits"}, "hidden": [16], "lr": 0.05})
+    assert digits[3] == "acc" and isinstance(digits[0], worker.SlowClassifier)
+    assert 0.0 <= worker.evaluate(digits[0], digits[2], "acc") <= 1.0

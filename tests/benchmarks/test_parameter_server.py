@@ -1,4 +1,4 @@
-"""The straggler benchmark's per-model defaults and its rendering of a fabricated GPT result (nothing runs)."""
+"""The straggler benchmark: per-model defaults, a fabricated GPT result rendered, the validation windows."""
 
 from __future__ import annotations
 
@@ -6,6 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from benchmarks import _parameter_server_worker as worker
 from benchmarks import harness
 from benchmarks.parameter_server import PHASES, ParameterServer, per_model, reading, unit
 
@@ -85,3 +88,17 @@ def test_render_of_a_gpt_result_in_tokens_per_second(tmp_path: Path):
     assert "on the first 32 validation windows" in md
     assert (tmp_path / "parameter_server_gpt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "parameter_server.md").exists()
+
+
+def test_worker_judges_the_gpt_on_the_same_first_validation_windows():
+    spec = {"workload": {"model": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 16}}
+    spec.update(seed=0, lr=1e-3, val_windows=4, batch_size=2)
+    model, train_set, (x, y), metric = worker.make_model(spec)
+    again = worker.make_model(spec)[2]
+    assert metric == "ppl" and isinstance(model, worker.TimedWorkload) and len(train_set) > 0
+    assert x.shape == y.shape == (4, 16) and torch.equal(x, again[0]) and torch.equal(y, again[1])
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one byte
+    evaluator = worker.Evaluator(1, (x, y), samples_per_update=2, metric="ppl")
+    assert 100 < evaluator.evaluate(model) < 600  # an untrained byte model: about the 256 of a uniform guess
+    digits = worker.make_model({"batch_size": 32, "hidden": [128], "lr": 0.05, "seed": 0})
+    assert digits[3] == "acc" and isinstance(digits[0], worker.TimedClassifier)
