@@ -22,7 +22,7 @@ repeats, the balanced / equal ratio per repeat and the min-max spread. Validatio
 measured on rank 0 after fit. The PNG plots rank 0's share and step time against the step for both configurations.
 
 With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text (``_workloads``), AdamW
-lr 1e-3, a global batch of 16 windows of 128 tokens, 2 warm-up + 4 timed epochs of 12 batches (1 + 1 of 6 with
+lr 1e-3, a global batch of 16 windows of 128 tokens, 2 warm-up + 3 timed epochs of 8 batches (1 + 1 of 6 with
 --quick); throughput is in tokens/s and the final figure is the validation perplexity on the first ``--val-windows``
 (32) validation windows. Results go to ``results/load_balance_gpt.*``.
 
@@ -54,7 +54,7 @@ PER_MODEL: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"epochs": 1, "limit_train_batches": 10},
     ),
     "gpt": (
-        {"epochs": 4, "warmup_epochs": 2, "global_batch": 16, "lr": 1e-3, "limit_train_batches": 12},
+        {"epochs": 3, "warmup_epochs": 2, "global_batch": 16, "lr": 1e-3, "limit_train_batches": 8},
         {"epochs": 1, "warmup_epochs": 1, "limit_train_batches": 6},
     ),
 }
@@ -136,14 +136,14 @@ class LoadBalance(harness.Benchmark):
     quick = {"repeats": 1}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--epochs", type=int, default=None, help="timed epochs per run (10; GPT 4; 1 with --quick)")
+        parser.add_argument("--epochs", type=int, default=None, help="timed epochs per run (10; GPT 3; 1 with --quick)")
         parser.add_argument("--warmup-epochs", type=int, default=None, help="epochs left out of the timing (3; GPT 2)")
         parser.add_argument("--global-batch", type=int, default=None, help="samples per step (512; GPT 16 windows)")
         parser.add_argument(
             "--limit-train-batches",
             type=int,
             default=None,
-            help="batches per epoch (digits all 23; GPT 12; quick 10/6)",
+            help="batches per epoch (digits all 23; GPT 8; quick 10/6)",
         )
         parser.add_argument(
             "--lr", type=float, default=None, help="SGD lr for the digits (0.05), AdamW for the GPT (1e-3)"

@@ -8,7 +8,7 @@ ds_mirrored with no straggler. Configurations run as separate launches, interlea
 harness (the machine is noisy); the tables give medians, ratios to ds_mirrored and the min-max spread.
 
 With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text (``_workloads``),
-AdamW lr 1e-3, 8 windows of 128 tokens per worker, 40 ds_mirrored steps per worker (12 with --quick); throughput is in
+AdamW lr 1e-3, 8 windows of 128 tokens per worker, 30 ds_mirrored steps per worker (12 with --quick); throughput is in
 tokens/s and the final figure is the validation perplexity of rank 0's parameters on the first ``--val-windows`` (32)
 validation windows, the same windows for every arm. Results go to ``results/parameter_server_gpt.*``.
 
@@ -62,7 +62,7 @@ WORKER = Path(__file__).resolve().parent / "_parameter_server_worker.py"
 #: per-model values of the options left ``None`` (full run, then ``--quick``): a GPT run stays well under a minute
 PER_MODEL: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "digits": ({"steps": 150, "eval_every": 10, "batch": 32, "lr": 0.05}, {"steps": 30, "eval_every": 5}),
-    "gpt": ({"steps": 40, "eval_every": 10, "batch": 8, "lr": 1e-3}, {"steps": 12, "eval_every": 4}),
+    "gpt": ({"steps": 30, "eval_every": 5, "batch": 8, "lr": 1e-3}, {"steps": 12, "eval_every": 4}),
 }
 SLOW_RANK = 1
 KEYS = [
@@ -122,8 +122,8 @@ class ParameterServer(harness.Benchmark):
     quick = {"repeats": 1}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=None, help="ds_mirrored steps per worker (150; GPT 40)")
-        parser.add_argument("--eval-every", type=int, default=None, help="rank 0 evaluates every this many steps (10)")
+        parser.add_argument("--steps", type=int, default=None, help="ds_mirrored steps per worker (150; GPT 30)")
+        parser.add_argument("--eval-every", type=int, default=None, help="rank 0 evaluates every N steps (10; GPT 5)")
         parser.add_argument("--batch", type=int, default=None, help="samples per worker and step (32; GPT 8 windows)")
         parser.add_argument(
             "--lr", type=float, default=None, help="SGD lr for the digits (0.05), AdamW for the GPT (1e-3)"

@@ -23,7 +23,7 @@ def test_per_model_defaults_fill_only_what_is_left_none():
     assert (digits.epochs, digits.warmup_epochs, digits.global_batch, digits.lr) == (10, 3, 512, 0.05)
     assert digits.limit_train_batches is None
     gpt = per_model(_opts(["--model", "gpt"]))
-    assert (gpt.epochs, gpt.warmup_epochs, gpt.global_batch, gpt.lr, gpt.limit_train_batches) == (4, 2, 16, 1e-3, 12)
+    assert (gpt.epochs, gpt.warmup_epochs, gpt.global_batch, gpt.lr, gpt.limit_train_batches) == (3, 2, 16, 1e-3, 8)
     quick = per_model(_opts(["--model", "gpt", "--quick"]))
     assert (quick.epochs, quick.warmup_epochs, quick.limit_train_batches) == (1, 1, 6)
     given = per_model(_opts(["--model", "gpt", "--global-batch", "24", "--warmup-epochs", "0"]))

@@ -22,7 +22,7 @@ def test_per_model_defaults_fill_only_what_is_left_none():
     digits = per_model(_opts([]))
     assert (digits.steps, digits.batch, digits.lr, digits.eval_every) == (150, 32, 0.05, 10)
     gpt = per_model(_opts(["--model", "gpt"]))
-    assert (gpt.steps, gpt.batch, gpt.lr, gpt.eval_every) == (40, 8, 1e-3, 10)
+    assert (gpt.steps, gpt.batch, gpt.lr, gpt.eval_every) == (30, 8, 1e-3, 5)
     quick = per_model(_opts(["--model", "gpt", "--quick"]))
     assert (quick.steps, quick.batch, quick.eval_every) == (12, 8, 4)
     given = per_model(_opts(["--model", "gpt", "--steps", "7", "--batch", "3"]))
