@@ -1,9 +1,10 @@
-"""One straggler-benchmark run: the digits classifier on 2 CPU workers under ds_mirrored or ds_parameter_server.
+"""One straggler-benchmark run: the spec's workload on 2 CPU workers under ds_mirrored or ds_parameter_server.
 
 Started by ``benchmarks/parameter_server.py`` with a JSON spec; Lightning re-runs this script for every worker and,
 under ds_parameter_server, for every server process (whose ``fit`` returns once it has served). Every worker writes
 ``result.{r}.json`` into the spec's ``out_dir``: its step times, how many samples it pushed and when its training
-phase started and ended, and on rank 0 the validation curve and the final accuracy.
+phase started and ended, and on rank 0 the validation curve and the final figure: accuracy on the digits' validation
+split, or perplexity on the first ``val_windows`` validation windows for the GPT (the same windows for every arm).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
+from benchmarks import _workloads
 from benchmarks.harness.timing import StepTimer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
@@ -48,6 +50,29 @@ class TimedClassifier(DigitsClassifier):
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.step_started = time.perf_counter()
         return super().training_step(batch, batch_idx)
+
+
+class TimedWorkload(pl.LightningModule):
+    """A workload's net and loss (the GPT's) under AdamW, noting when ``training_step`` starts, as above."""
+
+    step_started = 0.0
+
+    def __init__(self, workload: _workloads.Workload, lr: float) -> None:
+        super().__init__()
+        self.net = workload.net
+        self.loss = workload.loss
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.step_started = time.perf_counter()
+        x, y = batch
+        return self.loss(self(x), y)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 PHASES = ("sleep", "before_step", "step_backward", "after_backward")
@@ -109,26 +134,35 @@ class Straggler(Callback):
 
 
 class Evaluator(Callback):
-    """Rank 0 only, no collectives: every ``every`` steps, accuracy of its current parameters on the validation split.
+    """Rank 0 only, no collectives: every ``every`` steps, its current parameters on the fixed validation batch.
+
+    The figure is accuracy (``metric="acc"``) or perplexity, exp of the mean token loss (``metric="ppl"``).
 
     Samples seen are global: under ds_mirrored rank 0's steps times the workers' batches, under ds_parameter_server the
     servers' update count (from the last pull, whose parameters the module holds) times the samples per update.
     """
 
-    def __init__(self, every: int, val: tuple[torch.Tensor, torch.Tensor], samples_per_update: int) -> None:
+    def __init__(
+        self, every: int, val: tuple[torch.Tensor, torch.Tensor], samples_per_update: int, metric: str = "acc"
+    ) -> None:
         self.every = every
         self.x, self.y = val
+        self.metric = metric
         self.samples_per_update = samples_per_update
         self.curve: list[list[float]] = []
         self.eval_s = 0.0
         self._steps = 0
 
-    def accuracy(self, module: Any) -> float:
+    def evaluate(self, module: Any) -> float:
         start = time.perf_counter()
         with torch.no_grad():
-            acc = float((module(self.x).argmax(-1) == self.y).float().mean())
+            out = module(self.x)
+            if self.metric == "ppl":
+                value = float(torch.exp(module.loss(out, self.y)))
+            else:
+                value = float((out.argmax(-1) == self.y).float().mean())
         self.eval_s += time.perf_counter() - start
-        return acc
+        return value
 
     def _samples_seen(self, trainer: pl.Trainer) -> int:
         pull = getattr(trainer.strategy, "_last_pull", None)
@@ -138,14 +172,37 @@ class Evaluator(Callback):
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if trainer.global_rank == 0:
-            self.curve.append([0, self.accuracy(pl_module)])
+            self.curve.append([0, self.evaluate(pl_module)])
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         if trainer.global_rank != 0 or _budget_spent(trainer):
             return
         self._steps += 1
         if self._steps % self.every == 0:
-            self.curve.append([self._samples_seen(trainer), self.accuracy(pl_module)])
+            self.curve.append([self._samples_seen(trainer), self.evaluate(pl_module)])
+
+
+def make_model(spec: dict[str, Any]) -> tuple[pl.LightningModule, Dataset, tuple[torch.Tensor, torch.Tensor], str]:
+    """The module, the training set, the fixed validation batch and its figure (``"acc"`` or ``"ppl"``).
+
+    The digits keep the classifier and split they always had; the GPT comes from ``_workloads.build`` and is judged
+    on its first ``val_windows`` validation windows.
+    """
+    workload = spec.get("workload", {"model": "digits"})
+    if workload["model"] == "digits":
+        data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
+        data.setup("fit")
+        assert data.train_set is not None and data.val_set is not None
+        model = TimedClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"])
+        # The epoch-level train_acc would all-gather over the workers at every epoch end (torchmetrics syncs through
+        # torch.distributed, not the strategy), holding ds_parameter_server's fast worker to the slow one once per
+        # epoch. Nothing here reads train_acc, so it stays local under every strategy.
+        model.train_acc.sync_on_compute = False
+        return model, data.train_set, data.val_set.tensors, "acc"
+    built = _workloads.build(workload, seed=spec["seed"])
+    windows = [built.val_set[i] for i in range(min(spec["val_windows"], len(built.val_set)))]  # type: ignore[arg-type]
+    val = (torch.stack([w[0] for w in windows]), torch.stack([w[1] for w in windows]))
+    return TimedWorkload(built, spec["lr"]), built.train_set, val, "ppl"
 
 
 def main(spec_path: str) -> None:
@@ -168,10 +225,8 @@ def main(spec_path: str) -> None:
         )
         limits = {"max_epochs": 100_000}  # the update budget ends the run, not the epochs
     clock = StepClock()
-    data = DigitsDataModule(batch_size=batch, seed=0)
-    data.setup("fit")
-    assert data.train_set is not None and data.val_set is not None
-    evaluator = Evaluator(spec["eval_every"], data.val_set.tensors, samples_per_update)
+    model, train_set, val, metric = make_model(spec)
+    evaluator = Evaluator(spec["eval_every"], val, samples_per_update, metric)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=workers,
@@ -185,12 +240,7 @@ def main(spec_path: str) -> None:
         callbacks=[clock, Straggler(spec["slow_rank"], spec["delay_per_sample"], clock), evaluator],
         **limits,
     )
-    loader = DataLoader(data.train_set, batch_size=batch, shuffle=True, drop_last=True)
-    model = TimedClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"])
-    # The epoch-level train_acc would all-gather over the workers at every epoch end (torchmetrics syncs through
-    # torch.distributed, not the strategy), holding ds_parameter_server's fast worker to the slow one once per epoch.
-    # Nothing here reads train_acc, so it stays local under every strategy.
-    model.train_acc.sync_on_compute = False
+    loader = DataLoader(train_set, batch_size=batch, shuffle=True, drop_last=True)
     trainer.fit(model, train_dataloaders=loader)
     if getattr(trainer.strategy, "is_server", False):
         # A server's fit returns once every worker is done. Its interpreter shutdown takes seconds (outside anything
@@ -214,7 +264,7 @@ def main(spec_path: str) -> None:
     if rank == 0:
         # After fit the chief holds the final parameters (under ds_parameter_server, what its `done` pulled).
         record["curve"] = evaluator.curve
-        record["final_acc"] = evaluator.accuracy(model)
+        record["final_ppl" if metric == "ppl" else "final_acc"] = evaluator.evaluate(model)
         record["eval_s"] = evaluator.eval_s
     Path(spec["out_dir"], f"result.{rank}.json").write_text(json.dumps(record))
 

@@ -21,9 +21,15 @@ separate launches, equal and balanced alternating repeat by repeat (the machine 
 repeats, the balanced / equal ratio per repeat and the min-max spread. Validation accuracy of the final parameters is
 measured on rank 0 after fit. The PNG plots rank 0's share and step time against the step for both configurations.
 
-    python benchmarks/load_balance.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--epochs 10]
-        [--warmup-epochs 3] [--interval 3] [--global-batch 512] [--slowdown 2] [--delay-ms-per-sample MS]
-        [--hidden 1024 1024] [--timeout 600] [--dist-timeout 120]
+With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text (``_workloads``), AdamW
+lr 1e-3, a global batch of 16 windows of 128 tokens, 2 warm-up + 3 timed epochs of 8 batches (1 + 1 of 6 with
+--quick); throughput is in tokens/s and the final figure is the validation perplexity on the first ``--val-windows``
+(32) validation windows. Results go to ``results/load_balance_gpt.*``.
+
+    python benchmarks/load_balance.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--model digits|gpt]
+        [--epochs 10] [--warmup-epochs 3] [--interval 3] [--global-batch 512] [--limit-train-batches N] [--lr 0.05]
+        [--slowdown 2] [--delay-ms-per-sample MS] [--hidden 1024 1024] [--val-windows 32] [--timeout 600]
+        [--dist-timeout 120] [--gpt-layers 4 ...]
 """
 
 from __future__ import annotations
@@ -36,12 +42,22 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness
+from benchmarks import _workloads, harness
 from benchmarks.harness import Arm, Experiment, fmt
 
 WORKER = Path(__file__).resolve().parent / "_load_balance_worker.py"
 SLOW_RANK = 1
-LR = 0.05
+#: per-model values of the options left ``None`` (full run, then ``--quick``): a GPT run stays well under a minute
+PER_MODEL: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "digits": (
+        {"epochs": 10, "warmup_epochs": 3, "global_batch": 512, "lr": 0.05},
+        {"epochs": 1, "limit_train_batches": 10},
+    ),
+    "gpt": (
+        {"epochs": 3, "warmup_epochs": 2, "global_batch": 16, "lr": 1e-3, "limit_train_batches": 8},
+        {"epochs": 1, "warmup_epochs": 1, "limit_train_batches": 6},
+    ),
+}
 TARGET_RATIO = 0.75  # balanced epoch time over the equal split's
 EQUAL = "equal"
 BALANCED = "balanced"
@@ -56,6 +72,7 @@ KEYS = (
     "slow_over_fast_per_sample",
     "final_share_rank0",
     "final_acc",
+    "final_ppl",
 )
 
 
@@ -87,24 +104,51 @@ def reading(found: dict[str, Any], warmup_epochs: int) -> dict[str, Any]:
         "final_sizes": fast["final_sizes"],
         "final_share_rank0": fast["final_sizes"][0] / sum(fast["final_sizes"]),
         "estimate": fast["estimate"],
-        "final_acc": fast["final_acc"],
+        "final_acc": fast.get("final_acc"),
+        "final_ppl": fast.get("final_ppl"),
         "epochs": epochs,
         "step_ms_trace": fast["step_ms"],
         "sizes_trace": fast["sizes"],
     }
 
 
+def per_model(opts: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left ``None`` with the workload's full or ``--quick`` values."""
+    full, quick = PER_MODEL[opts.model]
+    for key, value in {**full, **(quick if opts.quick else {})}.items():
+        if getattr(opts, key, None) is None:
+            setattr(opts, key, value)
+    return opts
+
+
+def unit(settings: dict[str, Any]) -> tuple[str, int]:
+    """What throughput counts and how many of it a sample holds: samples (digits) or tokens (the GPT's context)."""
+    if settings.get("model", "digits") == "gpt":
+        return "tokens", int(settings.get("gpt_block", _workloads.GPT_DEFAULTS["block_size"]))
+    return "samples", 1
+
+
 class LoadBalance(harness.Benchmark):
     name = "load_balance"
     description = __doc__
-    defaults = {"repeats": 3, "epochs": 10, "limit_train_batches": None}
-    quick = {"repeats": 1, "epochs": 1, "limit_train_batches": 10}
+    models = ("digits", "gpt")
+    defaults = {"repeats": 3}  # the rest per model: PER_MODEL, filled in by meta()
+    quick = {"repeats": 1}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--epochs", type=int, default=None, help="timed epochs per run (10; 1 with --quick)")
-        parser.add_argument("--warmup-epochs", type=int, default=3, help="epochs left out of the timing (3)")
-        parser.add_argument("--global-batch", type=int, default=512, help="samples per step (512)")
-        parser.add_argument("--limit-train-batches", type=int, default=None, help="batches per epoch (all 23; 10)")
+        parser.add_argument("--epochs", type=int, default=None, help="timed epochs per run (10; GPT 3; 1 with --quick)")
+        parser.add_argument("--warmup-epochs", type=int, default=None, help="epochs left out of the timing (3; GPT 2)")
+        parser.add_argument("--global-batch", type=int, default=None, help="samples per step (512; GPT 16 windows)")
+        parser.add_argument(
+            "--limit-train-batches",
+            type=int,
+            default=None,
+            help="batches per epoch (digits all 23; GPT 8; quick 10/6)",
+        )
+        parser.add_argument(
+            "--lr", type=float, default=None, help="SGD lr for the digits (0.05), AdamW for the GPT (1e-3)"
+        )
+        parser.add_argument("--val-windows", type=int, default=32, help="GPT: validation windows evaluated (32)")
         parser.add_argument("--interval", type=int, default=3, help="the balanced run's re-division interval (3)")
         parser.add_argument("--slowdown", type=float, default=2.0, help="how much slower rank 1 is per sample (2)")
         parser.add_argument(
@@ -113,6 +157,11 @@ class LoadBalance(harness.Benchmark):
         parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 1024], help="hidden widths (1024 1024)")
         parser.add_argument("--timeout", type=float, default=600.0, help="seconds one launch may take (600)")
         parser.add_argument("--dist-timeout", type=int, default=120, help="seconds any collective may wait (120)")
+        _workloads.add_options(parser)
+
+    def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
+        per_model(opts)
+        return {"workload": _workloads.label(_workloads.spec_of(opts), opts.hidden)}
 
     def experiment(self, opts: argparse.Namespace) -> Experiment:
         arms = [
@@ -132,7 +181,9 @@ class LoadBalance(harness.Benchmark):
             "slow_rank": SLOW_RANK,
             "delay_per_sample": delay,
             "hidden": opts.hidden,
-            "lr": LR,
+            "lr": opts.lr,
+            "workload": _workloads.spec_of(opts),
+            "val_windows": opts.val_windows,
         }
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1), outputs="result.*.json")
         return reading(found, opts.warmup_epochs)
@@ -141,10 +192,13 @@ class LoadBalance(harness.Benchmark):
         return self.launch(arm.params["interval"], opts.delay_ms_per_sample / 1000, opts)
 
     def progress(self, r: dict[str, Any]) -> str:
+        final = (
+            f"final ppl {r['final_ppl']:.2f}" if r.get("final_ppl") is not None else f"final acc {r['final_acc']:.4f}"
+        )
         return (
             f"median epoch {r['epoch_s']:.3f} s, median step {r['step_ms']:.1f} ms, final sizes {r['final_sizes']},"
             f" compute/sample {r['compute_ms_per_sample_r0']:.3f}/{r['compute_ms_per_sample_r1']:.3f} ms"
-            f" (x{r['slow_over_fast_per_sample']:.2f}), final acc {r['final_acc']:.4f}"
+            f" (x{r['slow_over_fast_per_sample']:.2f}), {final}"
         )
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
@@ -176,12 +230,20 @@ class LoadBalance(harness.Benchmark):
         s = harness.summarise(records, list(data["arms"]), KEYS, EQUAL)
         for arm in s:
             s[arm]["final_sizes"] = harness.values(records, arm, "final_sizes")
+        s[BALANCED]["final_ppl_ratio"] = harness.paired(records, BALANCED, EQUAL, "final_ppl")
         s[BALANCED]["acc_points"] = harness.paired(records, BALANCED, EQUAL, "final_acc", lambda a, b: 100 * (a - b))
+        for arm in s:  # throughput: the global batch per median step (a balancer keeps the global batch fixed)
+            s[arm]["per_s"] = harness.spread(
+                harness.values(records, arm, lambda r: 1000 * data["settings"]["global_batch"] / r["step_ms"])
+            )
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
         s, cal, st = data["summary"], data["calibration"], data["settings"]
         hidden = "-".join(str(h) for h in st["hidden"])
+        what, per_sample = unit(st)
+        gpt = what == "tokens"
+        lr = st.get("lr") or 0.05  # older runs did not record it: the digits' 0.05
         limit = f", {st['limit_train_batches']} batches per epoch" if st["limit_train_batches"] else ""
         how = (
             f" (slowdown {st['slowdown']:g} - 1 = {st['slowdown'] - 1:g} x the un-delayed compute of"
@@ -205,7 +267,8 @@ class LoadBalance(harness.Benchmark):
                     fmt(v["slow_over_fast_per_sample"], ".2f"),
                     fmt(v["final_share_rank0"], ".3f"),
                     ", ".join(str(x) for x in v["final_sizes"]) or "-",
-                    fmt(v["final_acc"], ".1f", 100),
+                    fmt(v.get("per_s"), ".0f", per_sample),
+                    fmt(v.get("final_ppl"), ".2f") if gpt else fmt(v["final_acc"], ".1f", 100),
                 ]
             )
         b = s[BALANCED]
@@ -213,16 +276,34 @@ class LoadBalance(harness.Benchmark):
         met = {True: "PASS", False: "**MISS**", None: "no data"}[
             None if ratio is None else ratio["median"] <= TARGET_RATIO
         ]
+        model = (
+            f"{data.get('workload', 'the GPT')} (AdamW lr {lr:g}), global batch {st['global_batch']} windows of"
+            f" {per_sample} tokens"
+            if gpt
+            else f"DigitsClassifier 64-{hidden}-10 (SGD lr {lr:g} momentum 0.9), global batch {st['global_batch']}"
+        )
+        final = (
+            ["final val perplexity (ratio)", fmt(b.get("final_ppl_ratio"), ".3f")]
+            if gpt
+            else ["final val acc (points)", fmt(b["acc_points"], "+.1f")]
+        )
         return [
-            f"2 CPU processes (gloo, 1 thread each) under ds_mirrored, DigitsClassifier 64-{hidden}-10 (SGD lr {LR}"
-            f" momentum 0.9), global batch {st['global_batch']}, {st['warmup_epochs']} warm-up +"
+            f"2 CPU processes (gloo, 1 thread each) under ds_mirrored, {model}, {st['warmup_epochs']} warm-up +"
             f" {st['epochs']} timed epoch(s){limit}, {st['repeats']} interleaved repeat(s). Balancer: interval"
             f" {st['interval']}, ema 0.5, hysteresis 0.05. Straggler: rank {SLOW_RANK} sleeps"
             f" {cal['delay_ms_per_sample']:.3f} ms per sample of its share in `training_step`{how}",
             "Epoch time: rank 0, epoch start to the end of its last batch (the harness's `StepTimer`), median over"
             " the timed epochs of a run; then median [min - max] over repeats. Ratios and differences are per repeat."
             " Compute per sample: batch start to the launch of the last gradient bucket (what the balancer"
-            " measures), / local batch size.",
+            f" measures), / local batch size. {what.capitalize()}/s: the global batch"
+            + (f" x {per_sample} tokens" if gpt else "")
+            + " / the median step time of rank 0 over the timed epochs."
+            + (
+                f" Final validation perplexity: the final parameters on the first {st.get('val_windows')} validation"
+                " windows."
+                if gpt
+                else ""
+            ),
             "",
             *harness.markdown_table(
                 [
@@ -234,7 +315,8 @@ class LoadBalance(harness.Benchmark):
                     "rank 1 / rank 0 per sample",
                     "final rank-0 share",
                     "final sizes",
-                    "final val acc (%)",
+                    f"{what}/s",
+                    "final val perplexity" if gpt else "final val acc (%)",
                 ],
                 rows,
             ),
@@ -244,7 +326,7 @@ class LoadBalance(harness.Benchmark):
                 [
                     ["epoch time", fmt(ratio, ".3f")],
                     ["median step time, rank 0", fmt(b["step_ms_ratio"], ".3f")],
-                    ["final val acc (points)", fmt(b["acc_points"], "+.1f")],
+                    final,
                 ],
             ),
             "",
@@ -264,8 +346,9 @@ class LoadBalance(harness.Benchmark):
         ]
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        plot(data, out / "load_balance.png")
-        return [out / "load_balance.png"]
+        path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
+        plot(data, path)
+        return [path]
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
@@ -311,7 +394,11 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax1.set_ylim(0.4, 0.9)
     ax1.legend(fontsize=8, loc="lower right")
     ratio = data["summary"][BALANCED]["epoch_s_ratio"]
-    title = f"rank {SLOW_RANK} {st['slowdown']:g}x slower per sample, global batch {st['global_batch']}"
+    what, per_sample = unit(st)
+    title = f"{_workloads.label(_workloads.spec_of(argparse.Namespace(**st)), st['hidden']).split(' on ')[0]}\nrank"
+    title += f" {SLOW_RANK} {st['slowdown']:g}x slower per sample, global batch {st['global_batch']}"
+    if what == "tokens":
+        title += f" windows of {per_sample} tokens"
     if ratio:
         title += f"; epoch time balanced / equal {ratio['median']:.3f} (target <= {TARGET_RATIO})"
     ax1.set_title(f"{title}\nevery repeat; lines: epoch boundaries; shaded: warm-up (not timed)", fontsize=10)

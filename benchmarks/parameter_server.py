@@ -7,6 +7,11 @@ training samples. Reports samples/s, validation accuracy against samples seen, a
 ds_mirrored with no straggler. Configurations run as separate launches, interleaved repeat by repeat by the benchmark
 harness (the machine is noisy); the tables give medians, ratios to ds_mirrored and the min-max spread.
 
+With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text (``_workloads``),
+AdamW lr 1e-3, 8 windows of 128 tokens per worker, 30 ds_mirrored steps per worker (12 with --quick); throughput is in
+tokens/s and the final figure is the validation perplexity of rank 0's parameters on the first ``--val-windows`` (32)
+validation windows, the same windows for every arm. Results go to ``results/parameter_server_gpt.*``.
+
 Method. The straggler's sleep per sample is (slowdown - 1) x the un-delayed ds_mirrored step / batch, measured by a
 calibration run first (ds_mirrored, no straggler); sleeping costs no CPU. Equal samples: ds_mirrored runs ``--steps``
 steps per worker; ds_parameter_server gets ``max_updates`` = ``--steps`` (max_staleness=0: one update takes a batch from
@@ -18,8 +23,9 @@ samples seen come from the servers' update count. The classifier's epoch-level `
 (``sync_on_compute=False``) under every strategy: its all-gather at each epoch end would re-synchronise
 ds_parameter_server's workers once per epoch.
 
-    python benchmarks/parameter_server.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--steps 150]
-        [--eval-every 10] [--slowdown 3] [--delay-ms-per-sample MS] [--timeout 300] [--dist-timeout 120]
+    python benchmarks/parameter_server.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--model digits|gpt]
+        [--steps 150] [--eval-every 10] [--batch 32] [--lr 0.05] [--val-windows 32] [--slowdown 3]
+        [--delay-ms-per-sample MS] [--timeout 300] [--dist-timeout 120] [--gpt-layers 4 ...]
 """
 
 from __future__ import annotations
@@ -31,38 +37,39 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness
+from benchmarks import _workloads, harness
+from benchmarks._parameter_server_report import (
+    ASYNC,
+    BSP,
+    LABELS,
+    MIRRORED,
+    NO,
+    NO_STRAGGLER,
+    PHASES,
+    STRAGGLER,
+    TARGET_ACC_POINTS,
+    TARGET_ASYNC_SPEEDUP,
+    TARGET_BSP_STEP,
+    TARGET_PPL_RATIO,
+    WORKERS,
+    group,
+    plot,
+    unit,
+)
 from benchmarks.harness import Arm, Experiment, fmt
 
 WORKER = Path(__file__).resolve().parent / "_parameter_server_worker.py"
-BATCH = 32
-WORKERS = 2
+#: per-model values of the options left ``None`` (full run, then ``--quick``): a GPT run stays well under a minute
+PER_MODEL: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "digits": ({"steps": 150, "eval_every": 10, "batch": 32, "lr": 0.05}, {"steps": 30, "eval_every": 5}),
+    "gpt": ({"steps": 30, "eval_every": 5, "batch": 8, "lr": 1e-3}, {"steps": 12, "eval_every": 4}),
+}
 SLOW_RANK = 1
-TARGET_ASYNC_SPEEDUP = 1.5  # async samples/s over ds_mirrored's, under the straggler
-TARGET_ACC_POINTS = 2.0  # final accuracy within this many points of ds_mirrored's
-TARGET_BSP_STEP = 1.3  # max_staleness=0 step time over ds_mirrored's, no straggler
-PHASES = ("sleep", "before_step", "step_backward", "after_backward")  # as the worker splits a step
-MIRRORED = "ds_mirrored"
-ASYNC = "ps_async"
-BSP = "ps_staleness_0"
-NO = "no_straggler/"  # the prefix of the arms without a straggler
-STRAGGLER: dict[str, dict[str, Any]] = {
-    MIRRORED: {"strategy": "ds_mirrored"},
-    BSP: {"strategy": "ds_parameter_server", "max_staleness": 0},
-    "ps_staleness_4": {"strategy": "ds_parameter_server", "max_staleness": 4},
-    ASYNC: {"strategy": "ds_parameter_server", "max_staleness": None},
-}
-NO_STRAGGLER = {NO + MIRRORED: STRAGGLER[MIRRORED], NO + BSP: STRAGGLER[BSP]}
-LABELS = {
-    MIRRORED: "ds_mirrored",
-    BSP: "ds_parameter_server max_staleness=0",
-    "ps_staleness_4": "ds_parameter_server max_staleness=4",
-    ASYNC: "ds_parameter_server max_staleness=None",
-}
 KEYS = [
     "samples_per_s",
     "samples",
     "final_acc",
+    "final_ppl",
     "step_ms_w0",
     "step_ms_w1",
     "busy_ms_w1",
@@ -88,7 +95,8 @@ def reading(found: dict[str, Any]) -> dict[str, Any]:
         "slow_over_fast_step": ranks[SLOW_RANK]["median_step_ms"] / ranks[0]["median_step_ms"],
         "busy_ms_w1": ranks[1]["median_busy_ms"],
         "curve": ranks[0]["curve"],
-        "final_acc": ranks[0]["final_acc"],
+        "final_acc": ranks[0].get("final_acc"),
+        "final_ppl": ranks[0].get("final_ppl"),
         "eval_s": ranks[0]["eval_s"],
     }
     for w, r in enumerate(ranks):
@@ -97,26 +105,41 @@ def reading(found: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def group(summary: dict[str, Any], arms: dict[str, Any]) -> dict[str, Any]:
-    """The summary of ``arms`` (straggler or not), keyed by the configuration's name."""
-    return {a.removeprefix(NO): summary[a] for a in arms if a in summary}
+def per_model(opts: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left ``None`` with the workload's full or ``--quick`` values."""
+    full, quick = PER_MODEL[opts.model]
+    for key, value in {**full, **(quick if opts.quick else {})}.items():
+        if getattr(opts, key, None) is None:
+            setattr(opts, key, value)
+    return opts
 
 
 class ParameterServer(harness.Benchmark):
     name = "parameter_server"
     description = __doc__
-    defaults = {"repeats": 3, "steps": 150, "eval_every": 10}
-    quick = {"repeats": 1, "steps": 30, "eval_every": 5}
+    models = ("digits", "gpt")
+    defaults = {"repeats": 3}  # the rest per model: PER_MODEL, filled in by meta()
+    quick = {"repeats": 1}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=None, help="ds_mirrored steps per worker: every run's samples")
-        parser.add_argument("--eval-every", type=int, default=None, help="rank 0 evaluates every this many steps (10)")
+        parser.add_argument("--steps", type=int, default=None, help="ds_mirrored steps per worker (150; GPT 30)")
+        parser.add_argument("--eval-every", type=int, default=None, help="rank 0 evaluates every N steps (10; GPT 5)")
+        parser.add_argument("--batch", type=int, default=None, help="samples per worker and step (32; GPT 8 windows)")
+        parser.add_argument(
+            "--lr", type=float, default=None, help="SGD lr for the digits (0.05), AdamW for the GPT (1e-3)"
+        )
+        parser.add_argument("--val-windows", type=int, default=32, help="GPT: validation windows evaluated (32)")
         parser.add_argument(
             "--delay-ms-per-sample", type=float, default=None, help="the straggler's sleep per sample (calibrated)"
         )
         parser.add_argument("--slowdown", type=float, default=3.0, help="how much slower the straggler's step is (3)")
         parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take (300)")
         parser.add_argument("--dist-timeout", type=int, default=120, help="seconds any collective or reply may wait")
+        _workloads.add_options(parser)
+
+    def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
+        per_model(opts)
+        return {"workload": _workloads.label(_workloads.spec_of(opts), [128])}
 
     def experiment(self, opts: argparse.Namespace) -> Experiment:
         arms = [
@@ -130,7 +153,9 @@ class ParameterServer(harness.Benchmark):
         spec = {
             "max_staleness": None,
             **config,
-            "batch_size": BATCH,
+            "workload": _workloads.spec_of(opts),
+            "val_windows": opts.val_windows,
+            "batch_size": opts.batch,
             "steps": opts.steps,
             "seed": 0,
             "dist_timeout": opts.dist_timeout,
@@ -138,7 +163,7 @@ class ParameterServer(harness.Benchmark):
             "delay_per_sample": delay_ms / 1000,
             "eval_every": opts.eval_every,
             "hidden": [128],
-            "lr": 0.05,
+            "lr": opts.lr,
         }
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1), outputs="result.*.json")
         return reading(found)
@@ -147,9 +172,12 @@ class ParameterServer(harness.Benchmark):
         return self.launch(arm.params, opts.delay_ms_per_sample if arm.params["straggler"] else 0.0, opts)
 
     def progress(self, r: dict[str, Any]) -> str:
+        final = (
+            f"final ppl {r['final_ppl']:.2f}" if r.get("final_ppl") is not None else f"final acc {r['final_acc']:.4f}"
+        )
         return (
-            f"{r['samples_per_s']:7.0f} samples/s, steps {r['steps_w0']}/{r['steps_w1']}, median step"
-            f" {r['step_ms_w0']:.1f}/{r['step_ms_w1']:.1f} ms, final acc {r['final_acc']:.4f}"
+            f"{r['samples_per_s']:7.1f} samples/s, steps {r['steps_w0']}/{r['steps_w1']}, median step"
+            f" {r['step_ms_w0']:.1f}/{r['step_ms_w1']:.1f} ms, {final}"
         )
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
@@ -160,16 +188,16 @@ class ParameterServer(harness.Benchmark):
             except harness.Failed as exc:
                 raise SystemExit(f"the calibration run (ds_mirrored without straggler) failed: {exc}") from exc
             step_ms = run["step_ms_w0"]
-            opts.delay_ms_per_sample = (opts.slowdown - 1) * step_ms / BATCH
+            opts.delay_ms_per_sample = (opts.slowdown - 1) * step_ms / opts.batch
             calibration = {"source": "a ds_mirrored run without straggler", "undelayed_step_ms": step_ms, "run": run}
             print(
                 f"  straggler: worker {SLOW_RANK} sleeps {opts.delay_ms_per_sample:.3f} ms/sample ="
-                f" {opts.delay_ms_per_sample * BATCH:.1f} ms per step of {BATCH} ({opts.slowdown:g}x the"
+                f" {opts.delay_ms_per_sample * opts.batch:.1f} ms per step of {opts.batch} ({opts.slowdown:g}x the"
                 f" {step_ms:.1f} ms un-delayed ds_mirrored step)",
                 flush=True,
             )
         calibration.update(
-            delay_ms_per_sample=opts.delay_ms_per_sample, delay_ms_per_step=opts.delay_ms_per_sample * BATCH
+            delay_ms_per_sample=opts.delay_ms_per_sample, delay_ms_per_step=opts.delay_ms_per_sample * opts.batch
         )
         return {"calibration": calibration, **super().collect(opts)}
 
@@ -180,6 +208,7 @@ class ParameterServer(harness.Benchmark):
             for arm in (a for a in arms if a != base):
                 s[arm]["samples_per_s_ratio"] = harness.paired(records, arm, base, "samples_per_s")
                 s[arm]["acc_points"] = harness.paired(records, arm, base, "final_acc", lambda x, y: 100 * (x - y))
+                s[arm]["final_ppl_ratio"] = harness.paired(records, arm, base, "final_ppl")
                 s[arm]["step_ms_w0_ratio"] = harness.paired(records, arm, base, "step_ms_w0")
         return s
 
@@ -197,7 +226,18 @@ class ParameterServer(harness.Benchmark):
             v and v["median"] >= TARGET_ASYNC_SPEEDUP,
             f">= {TARGET_ASYNC_SPEEDUP}x",
         )
+        gpt = unit(data["settings"])[0] == "tokens"
         for name in (ASYNC, "ps_staleness_4", BSP):
+            if gpt:
+                v = s[name].get("final_ppl_ratio")
+                row(
+                    f"final validation perplexity of {LABELS[name]} vs ds_mirrored at equal tokens",
+                    v,
+                    v and v["median"] <= TARGET_PPL_RATIO,
+                    f"<= {TARGET_PPL_RATIO}x",
+                    ".3f",
+                )
+                continue
             v = s[name]["acc_points"]
             row(
                 f"final accuracy of {LABELS[name]} vs ds_mirrored at equal samples",
@@ -218,6 +258,9 @@ class ParameterServer(harness.Benchmark):
     def report(self, data: dict[str, Any]) -> list[str]:
         st, cal = data["settings"], data["calibration"]
         s, n = group(data["summary"], STRAGGLER), group(data["summary"], NO_STRAGGLER)
+        what, per_sample = unit(st)
+        gpt = what == "tokens"
+        batch = st.get("batch", 32)  # older runs did not record it: the digits' 32
 
         def failed(v: dict[str, Any]) -> str:
             return f" ({v['failed_runs']} failed)" if v["failed_runs"] else ""
@@ -225,11 +268,14 @@ class ParameterServer(harness.Benchmark):
         straggler_rows = [
             [
                 LABELS[name] + failed(v),
-                fmt(v["samples_per_s"], ".0f"),
+                fmt(v["samples_per_s"], ".0f", per_sample),
                 fmt(v.get("samples_per_s_ratio"), ".2f"),
-                fmt(v["final_acc"], ".1f", 100),
-                fmt(v.get("acc_points"), "+.1f"),
-                fmt(v["samples"], ".0f"),
+                *(
+                    [fmt(v.get("final_ppl"), ".2f"), fmt(v.get("final_ppl_ratio"), ".3f")]
+                    if gpt
+                    else [fmt(v["final_acc"], ".1f", 100), fmt(v.get("acc_points"), "+.1f")]
+                ),
+                fmt(v["samples"], ".0f", per_sample),
                 f"{fmt(v['steps_w0'], '.0f')} / {fmt(v['steps_w1'], '.0f')}",
                 f"{fmt(v['step_ms_w0'], '.1f')} / {fmt(v['step_ms_w1'], '.1f')}",
                 fmt(v["slow_over_fast_step"], ".2f"),
@@ -242,10 +288,24 @@ class ParameterServer(harness.Benchmark):
             for name, v in summary.items()
             for w in range(WORKERS)
         ]
+        model = (
+            f"{data.get('workload', 'the GPT')} (AdamW lr {st.get('lr', 1e-3):g}), batch {batch} windows of"
+            f" {per_sample} tokens per worker"
+            if gpt
+            else f"DigitsClassifier 64-128-10 (SGD lr {st.get('lr', 0.05):g} momentum 0.9), batch {batch} per worker"
+        )
+        final = (
+            f"Final figure: validation perplexity of rank 0's final parameters on the first {st.get('val_windows')}"
+            " validation windows (the same for every configuration). With max_staleness 4 or None every push is one"
+            " server update of one worker's batch, so at equal tokens those runs make twice the AdamW updates of"
+            " ds_mirrored and max_staleness=0, each on half the batch."
+            if gpt
+            else "Final figure: validation accuracy of rank 0's final parameters."
+        )
         return [
-            f"2 CPU workers (gloo, 1 thread each; ds_parameter_server adds 1 server process), DigitsClassifier"
-            f" 64-128-10, batch {BATCH} per worker, {st['steps']} ds_mirrored steps per worker ="
-            f" {WORKERS * st['steps'] * BATCH} training samples per run under every configuration, {st['repeats']}"
+            f"2 CPU workers (gloo, 1 thread each; ds_parameter_server adds 1 server process), {model},"
+            f" {st['steps']} ds_mirrored steps per worker = {WORKERS * st['steps'] * batch * per_sample} training"
+            f" {what} per run under every configuration, {st['repeats']}"
             f" interleaved repeat(s). Straggler: worker {SLOW_RANK} sleeps {cal['delay_ms_per_sample']:.3f} ms/sample"
             f" ({cal['delay_ms_per_step']:.1f} ms per step) before each step"
             + (
@@ -254,18 +314,22 @@ class ParameterServer(harness.Benchmark):
                 else "."
             ),
             "Median [min - max] over repeats; ratios and differences are taken per repeat against that repeat's"
-            " ds_mirrored run. Samples/s: samples pushed by all workers / (last step end - first step start).",
+            f" ds_mirrored run. {what.capitalize()}/s: {what} pushed by all workers / (last step end - first step"
+            f" start). {final}",
             "",
             "**With the straggler**",
             "",
             *harness.markdown_table(
                 [
                     "configuration",
-                    "samples/s",
+                    f"{what}/s",
                     "vs ds_mirrored",
-                    "final val acc",
-                    "acc vs ds_mirrored (points)",
-                    "samples",
+                    *(
+                        ["final val perplexity", "perplexity vs ds_mirrored"]
+                        if gpt
+                        else ["final val acc", "acc vs ds_mirrored (points)"]
+                    ),
+                    what,
                     "steps w0 / w1",
                     "median step w0 / w1 (ms)",
                     "w1 / w0 step",
@@ -308,78 +372,9 @@ class ParameterServer(harness.Benchmark):
         ]
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        plot(data, out / "parameter_server.png")
-        return [out / "parameter_server.png"]
-
-
-def plot(data: dict[str, Any], path: Path) -> None:
-    """Accuracy against samples, throughput with the straggler, step time without."""
-    import matplotlib  # here: running the benchmark needs no matplotlib until it writes
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    s, n = group(data["summary"], STRAGGLER), group(data["summary"], NO_STRAGGLER)
-    slowdown = data["settings"]["slowdown"]
-    colors = dict(zip(STRAGGLER, ["tab:blue", "tab:orange", "tab:green", "tab:red"], strict=True))
-    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [2.2, 1.4, 0.8]})
-    for name in STRAGGLER:
-        for i, run in enumerate(harness.ok(data["records"], name)):
-            xs, ys = zip(*run["curve"], strict=True)
-            style = "--" if name == BSP else "-"  # ds_mirrored's numerics: the two curves coincide
-            ax1.plot(
-                xs, [100 * y for y in ys], style, color=colors[name], alpha=0.75, lw=1.2, label=None if i else name
-            )
-            ax1.plot(run["samples"], 100 * run["final_acc"], "o", color=colors[name], ms=4)
-    ax1.set_xlabel("training samples seen (all workers)")
-    ax1.set_ylabel("validation accuracy (%), rank 0's parameters")
-    ax1.set_ylim(50, 100)
-    ax1.set_title(f"with a {slowdown:g}x straggler: accuracy vs samples (every repeat; dot = final)")
-    ax1.legend(fontsize=8, loc="lower right")
-    ax1.grid(alpha=0.3)
-    names = [k for k in s if s[k]["samples_per_s"]]
-    med = [s[k]["samples_per_s"]["median"] for k in names]
-    err = [
-        [m - s[k]["samples_per_s"]["min"] for k, m in zip(names, med, strict=True)],
-        [s[k]["samples_per_s"]["max"] - m for k, m in zip(names, med, strict=True)],
-    ]
-    ax2.bar(range(len(names)), med, yerr=err, capsize=4, color=[colors[k] for k in names])
-    for i, k in enumerate(names):
-        ratio = s[k].get("samples_per_s_ratio")
-        if ratio:
-            ax2.annotate(
-                f"{ratio['median']:.2f}x", (i, s[k]["samples_per_s"]["max"]), ha="center", va="bottom", fontsize=8
-            )
-    ax2.set_xticks(range(len(names)), [k.replace("_", "\n", 2) for k in names], fontsize=7)
-    ax2.set_ylabel("samples/s (median, min-max)")
-    base = s.get(MIRRORED, {}).get("samples_per_s")
-    if base:
-        ax2.axhline(TARGET_ASYNC_SPEEDUP * base["median"], color="k", ls=":", lw=1, label="target for async")
-        ax2.legend(fontsize=8)
-    ax2.set_title("throughput with the straggler")
-    nn = [k for k in n if n[k]["step_ms_w0"]]
-    med = [n[k]["step_ms_w0"]["median"] for k in nn]
-    err = [
-        [m - n[k]["step_ms_w0"]["min"] for k, m in zip(nn, med, strict=True)],
-        [n[k]["step_ms_w0"]["max"] - m for k, m in zip(nn, med, strict=True)],
-    ]
-    ax3.bar(range(len(nn)), med, yerr=err, capsize=4, color=[colors[k] for k in nn])
-    for i, k in enumerate(nn):
-        ratio = n[k].get("step_ms_w0_ratio")
-        if ratio:
-            ax3.annotate(
-                f"{ratio['median']:.2f}x", (i, n[k]["step_ms_w0"]["max"]), ha="center", va="bottom", fontsize=8
-            )
-    ax3.set_xticks(range(len(nn)), [k.replace("_", "\n", 2) for k in nn], fontsize=7)
-    base = n.get(MIRRORED, {}).get("step_ms_w0")
-    if base:
-        ax3.axhline(TARGET_BSP_STEP * base["median"], color="k", ls=":", lw=1, label="target for staleness 0")
-        ax3.legend(fontsize=8)
-    ax3.set_ylabel("median step time, rank 0 (ms)")
-    ax3.set_title("no straggler")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
+        plot(data, path)
+        return [path]
 
 
 if __name__ == "__main__":
