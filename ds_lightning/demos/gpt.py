@@ -177,7 +177,7 @@ class GPT(pl.LightningModule):
         """Logs ``val_loss`` and ``val_ppl``, reduced over all ranks."""
         x, y = batch
         logits = self.net(x)
-        self.val_ppl(logits, y)
+        self.val_ppl(logits.float(), y)  # under bf16 autocast: torchmetrics 1.0 takes fp32/fp64 only
         self.log("val_loss", self.pipeline_loss(logits, y), prog_bar=True, sync_dist=True)
         self.log("val_ppl", self.val_ppl, prog_bar=True)
 
@@ -186,7 +186,7 @@ class GPT(pl.LightningModule):
         """Logs ``test_loss`` and ``test_ppl``, reduced over all ranks."""
         x, y = batch
         logits = self.net(x)
-        self.test_ppl(logits, y)
+        self.test_ppl(logits.float(), y)
         self.log("test_loss", self.pipeline_loss(logits, y), sync_dist=True)
         self.log("test_ppl", self.test_ppl)
 
