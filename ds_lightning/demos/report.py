@@ -12,6 +12,8 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from ds_lightning.callbacks._batch_geometry import data_parallel_size
+
 __all__ = ["TrainingReport"]
 
 
@@ -80,6 +82,8 @@ class TrainingReport(Callback):
         strategy = trainer.strategy
         local = torch.tensor([float(self.samples), sum(self.step_times)], dtype=torch.float64)
         samples = float(strategy.reduce(local[:1].to(strategy.root_device), reduce_op="sum").item())
+        # The stages of one pipeline replica all see its batches: count each batch once.
+        samples *= data_parallel_size(trainer) / max(trainer.world_size, 1)
         busy = float(strategy.reduce(local[1:].to(strategy.root_device), reduce_op="max").item())
         metric = trainer.callback_metrics.get(self.monitor)
         out: dict[str, Any] = {
@@ -88,6 +92,7 @@ class TrainingReport(Callback):
             "steps_timed": len(self.step_times),
             "median_step_ms": 1000 * statistics.median(self.step_times) if self.step_times else None,
             f"{self.count}_per_s": samples / busy if busy > 0 else None,
+            f"{self.count}_timed": samples,
             self.monitor: float(metric) if metric is not None else None,
         }
         for attr in ("comm_bytes_per_step", "uncompressed_bytes_per_step"):

@@ -49,5 +49,9 @@ def test_gpt_config_trains_validates_and_samples(tmp_path, config):
     # steps it is merely finite and positive.
     assert math.isfinite(figures["val_ppl"]) and figures["val_ppl"] > 1
     assert figures["tokens_per_s"] > 0
+    # Tokens trained in the timed steps (all but the first), each counted once: a pipeline's stages share a batch.
+    windows_per_step = {"gpt_mirrored": 2 * 8, "gpt_pipeline": 8}.get(config)
+    if windows_per_step is not None:
+        assert figures["tokens_timed"] == figures["steps_timed"] * windows_per_step * 32
     # TextSample printed 200 sampled bytes after the prompt (4 batches are 2 optimizer steps under accumulation).
     assert re.search(r"\[ds_lightning\] sample after [24] steps:\ndef ", run.output), run.output[-3000:]
