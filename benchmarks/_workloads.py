@@ -87,6 +87,17 @@ def spec_of(opts: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def fill_defaults(
+    opts: argparse.Namespace, full: dict[str, dict[str, Any]], quick: dict[str, dict[str, Any]]
+) -> argparse.Namespace:
+    """Set the options still ``None`` from ``full[model]``, overridden by ``quick[model]`` under ``--quick``."""
+    model = getattr(opts, "model", "digits")
+    for key, value in {**full[model], **(quick.get(model, {}) if opts.quick else {})}.items():
+        if getattr(opts, key, None) is None:
+            setattr(opts, key, value)
+    return opts
+
+
 def label(workload: dict[str, Any], hidden: list[int] | None = None) -> str:
     """A results page's name for the workload."""
     if workload["model"] == "gpt":

@@ -114,11 +114,9 @@ def reading(found: dict[str, Any], warmup_epochs: int) -> dict[str, Any]:
 
 def per_model(opts: argparse.Namespace) -> argparse.Namespace:
     """Fill the options left ``None`` with the workload's full or ``--quick`` values."""
-    full, quick = PER_MODEL[opts.model]
-    for key, value in {**full, **(quick if opts.quick else {})}.items():
-        if getattr(opts, key, None) is None:
-            setattr(opts, key, value)
-    return opts
+    return _workloads.fill_defaults(
+        opts, {m: d[0] for m, d in PER_MODEL.items()}, {m: d[1] for m, d in PER_MODEL.items()}
+    )
 
 
 def unit(settings: dict[str, Any]) -> tuple[str, int]:

@@ -47,11 +47,9 @@ MODEL_DEFAULTS = {
 
 def model_defaults(opts: argparse.Namespace) -> argparse.Namespace:
     """Fill ``--steps``, ``--warmup`` and ``--batch-size`` left unset from the workload's full or quick defaults."""
-    full, quick = MODEL_DEFAULTS[opts.model]
-    for key, value in {**full, **(quick if opts.quick else {})}.items():
-        if getattr(opts, key) is None:
-            setattr(opts, key, value)
-    return opts
+    return _workloads.fill_defaults(
+        opts, {m: d[0] for m, d in MODEL_DEFAULTS.items()}, {m: d[1] for m, d in MODEL_DEFAULTS.items()}
+    )
 
 
 def with_throughput(data: dict[str, Any]) -> list[dict[str, Any]]:

@@ -69,11 +69,7 @@ MODEL_QUICK: dict[str, dict[str, Any]] = {
 
 def model_defaults(opts: argparse.Namespace) -> argparse.Namespace:
     """Fill the options still ``None`` with the workload's defaults (``--quick``'s where it has one)."""
-    model = getattr(opts, "model", "digits")
-    for key, value in {**MODEL_DEFAULTS[model], **(MODEL_QUICK[model] if opts.quick else {})}.items():
-        if getattr(opts, key, None) is None:
-            setattr(opts, key, value)
-    return opts
+    return _workloads.fill_defaults(opts, MODEL_DEFAULTS, MODEL_QUICK)
 
 
 def check_split(opts: argparse.Namespace) -> None:
