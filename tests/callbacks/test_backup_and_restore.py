@@ -186,9 +186,11 @@ def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_pat
     spec = {
         "strategy": "ds_parameter_server",
         "devices": 2,
-        "n": 192,  # 12 steps per worker and epoch; about 82% held-out after 5 epochs, the same with or without the loss
+        "n": 384,  # 24 steps per worker and epoch
         "max_epochs": 5,
-        "model": {"lr": 0.03},
+        # Trained to a plateau (about 95% held-out, within 0.3 points over 4 runs): a scheduler that has decayed the
+        # rate to nothing by step 30 leaves the accuracy to the early, asynchronous steps (82 +- 2 points).
+        "model": {"lr": 0.01, "lr_step_size": 20},
         "strategy_kwargs": {"num_servers": 1, "timeout": 60},  # a lost server is seen at once; load can slow a step
         "backup": {"every_n_train_steps": 5, "async_save": False},
     }
@@ -198,7 +200,7 @@ def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_pat
     resumed = train(tmp_path, "cut", {**spec, "attempt": 1})
     restored_step = int(resumed["restored_from"].rsplit("step", 1)[1].split(".")[0])
     assert 20 - 5 <= restored_step <= 20  # no more lost than the steps since the last backup
-    assert resumed["global_step"] >= 60  # the chief trained its 5 epochs (an asynchronous worker may take more)
+    assert resumed["global_step"] >= 120  # the chief trained its 5 epochs (an asynchronous worker may take more)
     assert abs(resumed["accuracy"] - reference["accuracy"]) <= 0.02
 
 

@@ -43,13 +43,13 @@ def make_data(n: int, seed: int = 1) -> TensorDataset:
 class Net(pl.LightningModule):
     """A small MLP meeting the ds_pipeline contract (``net`` and ``pipeline_loss``), trained by every strategy."""
 
-    def __init__(self, optimizer: str = "adam", lr: float = 0.01, dropout: float = 0.0) -> None:
+    def __init__(self, optimizer: str = "adam", lr: float = 0.01, dropout: float = 0.0, lr_step_size: int = 3) -> None:
         super().__init__()
         torch.manual_seed(0)
         layers: list[nn.Module] = [nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Dropout(dropout))]
         layers += [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)]
         self.net = nn.Sequential(*layers, nn.Linear(16, CLASSES))
-        self.optimizer, self.lr = optimizer, lr
+        self.optimizer, self.lr, self.lr_step_size = optimizer, lr, lr_step_size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -66,7 +66,7 @@ class Net(pl.LightningModule):
             opt: torch.optim.Optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         else:
             opt = torch.optim.Adam(self.parameters(), lr=self.lr)
-        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=self.lr_step_size, gamma=0.7)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
