@@ -10,7 +10,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness
+from benchmarks import _workloads, harness
 from benchmarks._cluster_launch import WORKERS
 
 BATCH = 32
@@ -26,11 +26,31 @@ LINKS: list[dict[str, Any]] = [
     {"key": "100mbit_1ms", "label": "100 Mbit/s + 1 ms delay", "rate_mbit": 100.0, "delay_ms": 1.0},
 ]
 TARGET_LINK = "100mbit"
+GPT_LINKS = ("1gbit", "100mbit")  # the GPT's part 1: the two rates, no delay
+GPT_LR = 1e-3  # AdamW, betas (0.9, 0.95), weight decay 0.1: learns the bytes within a few hundred steps
+PPL_TOLERANCE = 0.02  # "equal perplexity": within 2% of none's (relative), after the same tokens
 # Parts 2 and 3: worker 0's link 10x faster than worker 1's; the server's link unshaped.
 UNEVEN_MBIT = (1000.0, 100.0)
 MIRRORED = "ds_mirrored"
 EQUAL = "equal"
 BALANCED = "balanced"
+
+
+def links_of(model: str | None) -> list[dict[str, Any]]:
+    """Part 1's links for a workload: all four for the digits, the two rates for the GPT."""
+    return [link for link in LINKS if model != "gpt" or link["key"] in GPT_LINKS]
+
+
+def title(data: dict[str, Any]) -> str:
+    """The page's first line: the workload it measured (parts 2 and 3 always train the digits)."""
+    parts = data.get("parts") or ["compression", "ps", "balance"]
+    small = f"64-{'-'.join(str(h) for h in data['ps_hidden'])}-10"
+    if data.get("model") == "gpt":
+        label = data.get("workload_label") or _workloads.label(data.get("workload") or {"model": "gpt"})
+        rest = f" (parts 2 and 3: digits MLP {small})" if {"ps", "balance"} & set(parts) else ""
+        return f"# Network-namespace cluster on the {label}{rest}"
+    big = _workloads.label({"model": "digits"}, data["hidden"])
+    return f"# Network-namespace cluster on the {big} (parts 2 and 3: {small})"
 
 
 def _fmt(v: dict[str, Any] | None, f: str = ".0f", scale: float = 1.0) -> str:
@@ -41,14 +61,17 @@ def _params(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e6:.2f}M"
 
 
-def markdown(data: dict[str, Any]) -> list[str]:
-    """The tables and notes, from the flat view of :meth:`Cluster.view`."""
+def markdown(data: dict[str, Any], part1: list[str] | None = None) -> list[str]:
+    """The tables and notes, from the flat view of :meth:`Cluster.view`; ``part1``, if given, replaces part 1's
+    section (the GPT's, from ``_cluster_compression.gpt_markdown``)."""
     setup = data["setup"]
     hidden = "-".join(str(h) for h in data["hidden"])
     ps_hidden = "-".join(str(h) for h in data["ps_hidden"])
     probes = setup.get("probes", {})
     probe_text = ", ".join(f"{k}: {v:.0f} Mbit/s" if v else f"{k}: failed" for k, v in probes.items())
     lines = [
+        title(data),
+        "",
         f"**Setup.** A network-namespace cluster of 3 hosts on one bridge (host 0 and host 1: the workers; host 2: the"
         f" parameter server), built by `ds_lightning.testing.netns.Cluster`; one process per TF_CONFIG task, 1 thread"
         f" each, gloo, `Trainer(devices=1)`, no MASTER_ADDR/MASTER_PORT/GLOO_SOCKET_IFNAME in the environment (the pack"
@@ -59,7 +82,9 @@ def markdown(data: dict[str, Any]) -> list[str]:
         "",
     ]
     comp = data.get("compression")
-    if comp is not None:
+    if comp is not None and part1 is not None:
+        lines += part1
+    elif comp is not None:
         acc = data.get("accuracy", {})
         names = [c["name"] for c in data["compression_configs"]]
         params = data.get("params")
@@ -193,7 +218,9 @@ def plot(data: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(14, 9))
+    gpt = data.get("model") == "gpt"
+    lower = not gpt or bool(data.get("ps") or data.get("balance"))  # the GPT's default run has part 1 only
+    fig, axes = plt.subplots(2 if lower else 1, 2, figsize=(14, 9 if lower else 5), squeeze=False)
     comp = data.get("compression") or {}
     names = [c["name"] for c in data.get("compression_configs", [])]
     measured = [link for link in LINKS if link["key"] in comp and link["key"] not in data["setup"]["unsupported"]]
@@ -218,14 +245,48 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_yscale("log")
     ax.set_ylabel("median step time, rank 0 (ms, log)")
     missing = [link["label"] for link in LINKS if link["key"] in data["setup"]["unsupported"]]
-    title = f"1. ds_mirrored, {_params(data.get('params'))} params, 2 hosts (label: speedup over none)"
+    heading = f"1. ds_mirrored, {_params(data.get('params'))} params, 2 hosts (label: speedup over none)"
     if missing:
-        title += f"\nnot measured (no netem): {', '.join(missing)}"
-    ax.set_title(title, fontsize=9)
+        heading += f"\nnot measured (no netem): {', '.join(missing)}"
+    ax.set_title(heading, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
 
-    ax = axes[0][1]
+    if gpt:
+        _perplexity_panel(axes[0][1], data, names)
+        fig.suptitle(title(data).removeprefix("# "), fontsize=9)
+    else:
+        _accuracy_panel(axes[0][1], data, names)
+    if lower:
+        _lower_panels(axes, data)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _perplexity_panel(ax: Any, data: dict[str, Any], names: list[str]) -> None:
+    ppl = data.get("accuracy") or {}
+    shown = [n for n in names if "final_ppl" in ppl.get(n, {})]
+    values = [ppl[n]["final_ppl"] for n in shown]
+    ax.bar(range(len(shown)), values, color="tab:green")
+    for i, v in enumerate(values):
+        ax.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
+    if "none" in shown:
+        limit = (1 + PPL_TOLERANCE) * ppl["none"]["final_ppl"]
+        ax.axhline(limit, color="k", ls="--", lw=1, label=f"none + {100 * PPL_TOLERANCE:g}%")
+        ax.legend(fontsize=8)
+    ax.set_xticks(range(len(shown)), shown)
+    ax.set_ylabel("validation perplexity")
+    tokens = WORKERS * data.get("batch_size", 0) * data.get("gpt_block", 0) * (data.get("acc_steps") or 0)
+    ax.set_title(
+        f"1. validation perplexity after {data.get('acc_steps')} steps = {tokens:,} tokens (one run per setting,"
+        " unshaped link)",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _accuracy_panel(ax: Any, data: dict[str, Any], names: list[str]) -> None:
     acc = data.get("accuracy") or {}
     shown = [n for n in names if "final_acc" in acc.get(n, {})]
     ax.bar(range(len(shown)), [100 * acc[n]["final_acc"] for n in shown], color="tab:green")
@@ -237,6 +298,8 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax.set_title(f"1. accuracy after {data.get('acc_steps')} steps (one run per setting, unshaped link)", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
 
+
+def _lower_panels(axes: Any, data: dict[str, Any]) -> None:
     ax = axes[1][0]
     ps = data.get("ps") or {}
     shown = [n for n in ps if ps[n]["samples_per_s"]]
@@ -286,9 +349,6 @@ def plot(data: dict[str, Any], path: Path) -> None:
     handles = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
     ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper right")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def notes(data: dict[str, Any]) -> list[str]:

@@ -5,7 +5,8 @@ per TF_CONFIG task, ``Trainer(devices=1)``: the strategy reads the cluster from 
 holds the task's address (nothing here sets ``MASTER_ADDR``, ``MASTER_PORT`` or ``GLOO_SOCKET_IFNAME``). The spec
 lists configurations run one after the other in this process (the process group stays up between fits); their ``kind``:
 
-* ``compression``: ds_mirrored with one ``gradient_compression`` setting for ``warmup + steps`` steps;
+* ``compression``: ds_mirrored with one ``gradient_compression`` setting for ``warmup + steps`` steps, on the spec's
+  ``"workload"`` (``benchmarks/_workloads.py``: the digits classifier, or the GPT under AdamW);
 * ``ps``: ds_mirrored for ``steps`` steps, or ds_parameter_server with an update budget of the same samples;
 * ``balance``: ds_mirrored with ``DynamicLoadBalancer`` (``interval=0``: the equal split) for some epochs.
 
@@ -14,28 +15,34 @@ step its time (batch start to batch end, data loading excluded), local batch siz
 to the launch of its last gradient bucket; per epoch its wall time; the samples it trained on and when its first step
 started and its last ended (wall clock, shared by all namespaces); the bytes per step handed to the all-reduce (also
 over the timed steps alone) and a checksum of its final parameters; rank 0 adds the validation accuracy of its final
-parameters. A configuration that raises ends the process, and the launcher starts the remaining ones again. A parameter
-server's ``fit`` never returns (it leaves the process once it has served), so servers write nothing and run one
-configuration per launch.
+parameters (digits), or their validation perplexity on the spec's first ``val_windows`` validation windows (GPT). A
+configuration that raises ends the process, and the launcher starts the remaining ones again. A parameter server's
+``fit`` never returns (it leaves the process once it has served), so servers write nothing and run one configuration
+per launch.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
+from benchmarks import _workloads
 from benchmarks.harness.timing import StepTimer
 from ds_lightning.callbacks import DynamicLoadBalancer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
@@ -71,6 +78,50 @@ class Clock(StepTimer):
             self.bytes_at_warmup = float(trainer.strategy.comm_bytes_per_step)
 
 
+class GPTModule(pl.LightningModule):
+    """The workload's GPT net and token loss under AdamW (betas 0.9, 0.95; weight decay 0.1), nothing logged."""
+
+    def __init__(self, net: torch.nn.Module, lr: float) -> None:
+        super().__init__()
+        self.net = net
+        self.lr = lr
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.cross_entropy(self(x).flatten(0, -2), y.flatten())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+@dataclass
+class Source:
+    """What every configuration of a launch trains on: the training set, the fixed validation batch, and (GPT) the
+    initial net, copied afresh for each configuration so every one starts from the same parameters."""
+
+    train_set: Dataset
+    val: tuple[torch.Tensor, torch.Tensor]
+    net: torch.nn.Module | None = None  # None: the digits classifier, built from the seed as before the GPT
+
+
+def make_source(spec: dict[str, Any]) -> Source:
+    workload = spec.get("workload", {"model": "digits"})
+    if workload["model"] == "digits":
+        data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
+        data.setup("fit")
+        assert data.train_set is not None and data.val_set is not None
+        return Source(data.train_set, data.val_set.tensors)
+    built = _workloads.build(workload, seed=spec["seed"])
+    count = min(spec["val_windows"], len(built.val_set))  # type: ignore[arg-type]
+    windows = [built.val_set[i] for i in range(count)]
+    return Source(
+        built.train_set, (torch.stack([w[0] for w in windows]), torch.stack([w[1] for w in windows])), built.net
+    )
+
+
 def _strategy(spec: dict[str, Any]) -> Any:
     timeout = spec["dist_timeout"]
     if spec.get("strategy", "ds_mirrored") == "ds_mirrored":
@@ -88,12 +139,11 @@ def _strategy(spec: dict[str, Any]) -> Any:
     return ds_lightning.ParameterServerStrategy(max_staleness=staleness, max_updates=budget, timeout=timeout)
 
 
-def fit_one(spec: dict[str, Any], data: DigitsDataModule) -> None:
+def fit_one(spec: dict[str, Any], data: Source) -> None:
     """One configuration: a fresh Trainer, strategy and model; writes ``{name}.rank{r}.json``."""
     torch.set_num_threads(1)
     pl.seed_everything(spec["seed"], verbose=False)
     kind = spec["kind"]
-    assert data.train_set is not None and data.val_set is not None
     clock = Clock(spec.get("warmup", 0))
     callbacks: list[Callback] = [clock]
     balancer = None
@@ -122,10 +172,14 @@ def fit_one(spec: dict[str, Any], data: DigitsDataModule) -> None:
         **limits,
     )
     loader = DataLoader(data.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=kind != "balance")
-    model = DigitsClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"], momentum=0.9)
-    # The epoch-level train_acc would all-gather over the workers at every epoch end (torchmetrics syncs through
-    # torch.distributed): a collective the parameter-server workers must not share. Nothing reads it here.
-    model.train_acc.sync_on_compute = False
+    model: pl.LightningModule
+    if data.net is None:
+        model = DigitsClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"], momentum=0.9)
+        # The epoch-level train_acc would all-gather over the workers at every epoch end (torchmetrics syncs through
+        # torch.distributed): a collective the parameter-server workers must not share. Nothing reads it here.
+        model.train_acc.sync_on_compute = False
+    else:
+        model = GPTModule(copy.deepcopy(data.net), spec["lr"])
     fit_start = time.time()
     trainer.fit(model, train_dataloaders=loader)
     fit_end = time.time()
@@ -163,18 +217,20 @@ def fit_one(spec: dict[str, Any], data: DigitsDataModule) -> None:
         record["estimate"] = balancer.plan.estimate
     if rank == 0:
         # After fit the chief holds the final parameters (under ds_parameter_server, the servers' last ones).
-        x, y = data.val_set.tensors
+        x, y = data.val
         model.eval()
         with torch.no_grad():
-            record["final_acc"] = float((model(x).argmax(-1) == y).float().mean())
+            if data.net is None:
+                record["final_acc"] = float((model(x).argmax(-1) == y).float().mean())
+            else:  # exp of the mean token cross-entropy over every validation token
+                record["final_ppl"] = math.exp(float(F.cross_entropy(model(x).flatten(0, -2), y.flatten())))
     Path(spec["records"], f"{spec['name']}.rank{rank}.json").write_text(json.dumps(record))
 
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     common = {k: v for k, v in spec.items() if k != "configs"}
-    data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
-    data.setup("fit")
+    data = make_source(spec)
     Path(spec["records"], f"started.{os.getpid()}").write_text(json.dumps({"imported_at": IMPORTED}))
     for config in spec["configs"]:  # in order; the process group stays up between fits
         fit_one({**common, **config}, data)

@@ -7,14 +7,20 @@ pack picks the interface holding each task's address). Hosts 0 and 1 are the two
 server. Links are shaped with ``Cluster.shape`` (both directions of a host's link; ``tbf`` rate limiting on kernels
 without ``netem``, where a delay cannot be emulated). Every process runs 1 thread.
 
-1. **gradient_compression on slow links.** ds_mirrored on 2 worker hosts, the digits classifier widened to about 10M
-   parameters (64-2240-2240-2240-10), batch 32 per worker, both workers' links shaped to 1 Gbit/s, then 100 Mbit/s
-   (and the same with 1 ms delay, measured only where the kernel has netem). Settings none, fp16, bf16 and powersgd at
-   ``--powersgd-ranks``; ``powersgd_start_iter`` is ``--powersgd-start-iter`` (1: only the first warm-up step is a
-   plain all-reduce, every timed step is compressed). Step time = rank 0's median over the timed steps; speedup =
-   none / setting per repeat. Target: at 100 Mbit/s the best setting is >= 5x faster than none. Accuracy: rank 0's
-   validation accuracy after the timed runs' steps, and after ``--acc-steps`` steps in one extra run per setting on
-   the unshaped cluster link (the link changes how long a step takes, not what it computes).
+1. **gradient_compression on slow links.** ds_mirrored on 2 worker hosts, on the ``--model`` workload. Digits: the
+   classifier widened to about 10M parameters (64-2240-2240-2240-10), batch 32 per worker, both workers' links shaped
+   to 1 Gbit/s, then 100 Mbit/s (and the same with 1 ms delay, measured only where the kernel has netem). GPT: the
+   byte-level GPT (default shape, 0.9M parameters; AdamW lr 1e-3), 8 windows of 128 tokens per worker, on the
+   1 Gbit/s and 100 Mbit/s links. Settings none, fp16, bf16 and powersgd at ``--powersgd-ranks`` (digits 1 4, GPT
+   1 4 16); ``powersgd_start_iter`` is ``--powersgd-start-iter`` (1: only the first warm-up step is a plain
+   all-reduce, every timed step is compressed). Step time = rank 0's median over the timed steps; speedup = none /
+   setting per repeat; the GPT's throughput in tokens/s. Target: at 100 Mbit/s the best setting is >= 5x faster than
+   none. Accuracy (digits): rank 0's validation accuracy after the timed runs' steps, and after ``--acc-steps``
+   steps in one extra run per setting on the unshaped cluster link (the link changes how long a step takes, not what
+   it computes); only settings within 1 point of none's count for the target. Perplexity (GPT): the same extra run
+   (``--acc-steps`` 200: 409,600 tokens per setting, same data order and initial parameters), then the validation
+   perplexity of rank 0's parameters on the first ``--val-windows`` windows of TextDataModule's validation split;
+   only settings within 2% of none's perplexity count, and the smallest PowerSGD rank within 2% is reported.
 2. **ds_parameter_server vs ds_mirrored on an uneven link.** Worker 0's link at 1 Gbit/s, worker 1's at 100 Mbit/s,
    the server's unshaped; 64-1024-1024-10 (1.1M parameters), batch 32 per worker, equal samples: ds_mirrored runs
    ``--ps-steps`` steps per worker, ds_parameter_server (``--ps-staleness``, default fully asynchronous) gets an update
@@ -23,17 +29,22 @@ without ``netem``, where a delay cannot be emulated). Every process runs 1 threa
    ``--global-batch``, ``DynamicLoadBalancer(interval=0)`` (equal split) against ``interval=--interval``; rank 0's
    epoch time (median over the timed epochs). The balancer times compute, not the wire.
 
+Parts 2 and 3 always train the digits MLP; with ``--model gpt`` they run only when ``--parts`` names them (on the GPT
+they are measured by ``parameter_server.py`` and ``load_balance.py``). Results of ``--model gpt`` go to
+``results/cluster_gpt.*``.
+
 Configurations are interleaved repeat by repeat (each repeat: part 1 on every link, then parts 2 and 3; within a
 launch the configurations run one after the other in one process per task, the order rotating by repeat), repeated
 ``--repeats`` times; the tables give medians, per-repeat ratios and the min-max spread. Every launch has a time limit
 per configuration: a configuration that fails or hangs is recorded as failed and the launch's remaining
 configurations are started again without it. The cluster is always torn down.
 
-The launching and link plumbing is in ``_cluster_launch.py``, the report in ``_cluster_report.py``; the command line is
-the benchmark harness's.
+The launching and link plumbing is in ``_cluster_launch.py``, part 1 in ``_cluster_compression.py``, the report in
+``_cluster_report.py``; the command line is the benchmark harness's.
 
-    python benchmarks/cluster.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--steps 5] [--warmup 2]
-                                 [--acc-steps 60]
+    python benchmarks/cluster.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+                                 [--steps 5] [--warmup 2] [--acc-steps 60] [--batch-size 32] [--val-windows 64]
+                                 [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
                                  [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--ps-steps 50]
                                  [--ps-staleness none] [--balance-epochs 5] [--balance-warmup-epochs 3]
                                  [--global-batch 512] [--interval 3] [--parts compression ps balance]
@@ -50,20 +61,28 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import harness
+from benchmarks import _workloads, harness
+from benchmarks._cluster_compression import (
+    compression_configs,
+    gpt_markdown,
+    is_gpt,
+    model_defaults,
+    ppl_verdict,
+    run_accuracy,
+    run_compression_round,
+    summarise_compression,
+    tokens_per_step,
+    verdict,
+)
 from benchmarks._cluster_launch import LAUNCHES, WORKERS, probe_link, rotated, run_configs, shape_links
 from benchmarks._cluster_report import (
-    ACC_TOLERANCE_POINTS,
     BALANCED,
     BATCH,
     EQUAL,
-    LINKS,
     LR,
     MIRRORED,
-    NO_NETEM,
-    TARGET_LINK,
-    TARGET_SPEEDUP,
     UNEVEN_MBIT,
+    links_of,
     markdown,
     notes,
     plot,
@@ -71,124 +90,6 @@ from benchmarks._cluster_report import (
 from benchmarks.harness import spread
 from benchmarks.load_balance import reading as balance_reading
 from ds_lightning.testing import netns
-
-# --- part 1: gradient_compression ------------------------------------------------------------------------------------
-
-
-def compression_configs(opts: argparse.Namespace) -> list[dict[str, Any]]:
-    configs: list[dict[str, Any]] = [{"name": c, "compression": c} for c in ("none", "fp16", "bf16")]
-    for rank in opts.powersgd_ranks:
-        configs.append(
-            {
-                "name": f"powersgd_r{rank}",
-                "compression": "powersgd",
-                "powersgd_rank": rank,
-                "powersgd_start_iter": opts.powersgd_start_iter,
-            }
-        )
-    return configs
-
-
-def compression_spec(opts: argparse.Namespace, steps: int, warmup: int) -> dict[str, Any]:
-    return {
-        "kind": "compression",
-        "hidden": opts.hidden,
-        "lr": LR,
-        "batch_size": BATCH,
-        "seed": 0,
-        "dist_timeout": opts.dist_timeout,
-        "warmup": warmup,
-        "steps": steps,
-    }
-
-
-def merge_compression(ranks: dict[int, dict[str, Any]], warmup: int) -> dict[str, Any]:
-    r0, r1 = ranks[0], ranks[1]
-    return {
-        "median_step_ms": statistics.median(r0["step_ms"][warmup:]),
-        "median_step_ms_rank1": statistics.median(r1["step_ms"][warmup:]),
-        "step_ms": r0["step_ms"],
-        "bytes_per_step": r0.get("timed_bytes_per_step", r0["comm_bytes_per_step"]),
-        "uncompressed_bytes_per_step": r0["uncompressed_bytes_per_step"],
-        "final_acc": r0["final_acc"],
-        "fit_s": r0["fit_s"],
-        "to_first_step_s": r0["to_first_step_s"],
-        "params": r0["params"],
-        "param_checksum": r0.get("param_checksum"),
-        "steps": r0["steps"],
-    }
-
-
-def run_compression_round(
-    cluster: netns.Cluster, r: int, opts: argparse.Namespace, raw: dict[str, Any], setup: dict[str, Any]
-) -> None:
-    configs = compression_configs(opts)
-    spec = compression_spec(opts, opts.steps, opts.warmup)
-    for link in rotated([link for link in LINKS if link["key"] not in setup["unsupported"]], r):
-        key = link["key"]
-        rates = {i: (link["rate_mbit"], link["delay_ms"]) for i in range(WORKERS)}
-        try:
-            shaped = shape_links(cluster, rates)
-        except netns.ShapingUnsupportedError as error:
-            setup["unsupported"][key] = f"{NO_NETEM} ({error})"
-            print(f"  repeat {r + 1} part 1 {link['label']}: {NO_NETEM}", flush=True)
-            continue
-        setup["links"].setdefault(key, shaped)
-        order = rotated(configs, r)
-        records, launches = run_configs(cluster, spec, order, opts)
-        for config in order:
-            name = config["name"]
-            rec = records[name]
-            result = rec if "error" in rec else merge_compression(rec, opts.warmup)
-            raw[key][name].append(result)
-            if "error" not in result:
-                print(
-                    f"  repeat {r + 1} part 1 {link['label']:>11} {name:>12}: {result['median_step_ms']:8.1f} ms/step,"
-                    f" {result['bytes_per_step'] / 1e6:7.3f} MB/step, acc {result['final_acc']:.3f}",
-                    flush=True,
-                )
-        print(f"    launches: {', '.join(f'{s:.0f} s' for s in launches)}", flush=True)
-
-
-def run_accuracy(cluster: netns.Cluster, opts: argparse.Namespace) -> dict[str, Any]:
-    """Every setting once on the unshaped link, ``--acc-steps`` steps (the first 2 left out of the step time)."""
-    for host in cluster.hosts:
-        cluster.unshape(host)
-    warmup = min(2, opts.acc_steps - 1)
-    spec = compression_spec(opts, opts.acc_steps - warmup, warmup)
-    records, _ = run_configs(cluster, spec, compression_configs(opts), opts)
-    out = {}
-    for name, rec in records.items():
-        out[name] = rec if "error" in rec else merge_compression(rec, warmup)
-        if "error" not in rec:
-            print(
-                f"  accuracy run {name:>12}: acc {out[name]['final_acc']:.4f} after {out[name]['steps']} steps,"
-                f" unshaped {out[name]['median_step_ms']:.1f} ms/step",
-                flush=True,
-            )
-    return out
-
-
-def summarise_compression(raw: dict[str, dict[str, list[dict[str, Any]]]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, configs in raw.items():
-        base = configs.get("none", [])
-        link: dict[str, Any] = {}
-        for name, runs in configs.items():
-            ok = [r for r in runs if "error" not in r]
-            pairs = [(b, x) for b, x in zip(base, runs, strict=False) if "error" not in b and "error" not in x]
-            link[name] = {
-                "runs": len(runs),
-                "failed_runs": len(runs) - len(ok),
-                "errors": [r["error"] for r in runs if "error" in r],
-                "step_ms": spread([r["median_step_ms"] for r in ok]),
-                "bytes_per_step": spread([r["bytes_per_step"] for r in ok]),
-                "final_acc": spread([r["final_acc"] for r in ok]),
-                "speedup_over_none": spread([b["median_step_ms"] / x["median_step_ms"] for b, x in pairs]),
-            }
-        out[key] = link
-    return out
-
 
 # --- parts 2 and 3: the uneven link -----------------------------------------------------------------------------------
 
@@ -319,38 +220,6 @@ def summarise_balance(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return out
 
 
-# --- verdict ----------------------------------------------------------------------------------------------------------
-
-
-def verdict(comp: dict[str, Any], accuracy: dict[str, Any]) -> dict[str, Any]:
-    """The fastest setting at 100 Mbit/s among those whose accuracy after the long run is within
-    ``ACC_TOLERANCE_POINTS`` of none's: the target asks for the speedup at equal accuracy."""
-    link = comp.get(TARGET_LINK, {})
-    base = accuracy.get("none", {}).get("final_acc")
-    best, value, excluded = None, None, {}
-    for name, v in link.items():
-        s = v["speedup_over_none"]
-        if name == "none" or s is None:
-            continue
-        acc = accuracy.get(name, {}).get("final_acc")
-        if base is None or acc is None or 100 * (base - acc) > ACC_TOLERANCE_POINTS:
-            excluded[name] = None if base is None or acc is None else round(100 * (acc - base), 1)
-            continue
-        if value is None or s["median"] > value["median"]:
-            best, value = name, s
-    return {
-        "target": (
-            f"step time at 100 Mbit/s: best gradient_compression vs none, among settings within"
-            f" {ACC_TOLERANCE_POINTS:g} point of none's accuracy after the same steps"
-        ),
-        "goal": f">= {TARGET_SPEEDUP:g}x faster",
-        "best": best,
-        "value": value,
-        "excluded_for_accuracy_points": excluded,
-        "met": None if value is None else bool(value["median"] >= TARGET_SPEEDUP),
-    }
-
-
 def _flat(runs: dict[str, Any]) -> list[dict[str, Any]]:
     """The run records of ``{name: record}`` or ``{name: [record, ...]}``."""
     return [r for v in runs.values() for r in (v if isinstance(v, list) else [v])]
@@ -363,18 +232,20 @@ def _staleness(text: str) -> int | None:
 class Cluster(harness.Benchmark):
     name = "cluster"
     description = __doc__
-    defaults = {"repeats": 3, "steps": 5, "warmup": 2, "acc_steps": 60, "ps_steps": 50, "balance_epochs": 5}
-    defaults |= {"balance_warmup_epochs": 3}
-    quick = {"repeats": 1, "steps": 2, "warmup": 1, "acc_steps": 6, "ps_steps": 8, "balance_epochs": 1}
-    quick |= {"balance_warmup_epochs": 1}
+    models = ("digits", "gpt")
+    # Part 1's steps, batch, PowerSGD ranks and the parts depend on the workload (_cluster_compression.MODEL_DEFAULTS).
+    defaults = {"repeats": 3, "ps_steps": 50, "balance_epochs": 5, "balance_warmup_epochs": 3}
+    quick = {"repeats": 1, "ps_steps": 8, "balance_epochs": 1, "balance_warmup_epochs": 1}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
-        add("--steps", type=int, default=None, help="part 1: timed steps per run (5; 2 with --quick)")
-        add("--warmup", type=int, default=None, help="part 1: warm-up steps per run (2; 1 with --quick)")
-        add("--acc-steps", type=int, default=None, help="part 1: steps of the accuracy runs (60; 6)")
-        add("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths")
-        add("--powersgd-ranks", type=int, nargs="+", default=[1, 4], help="PowerSGD ranks to try (1 4)")
+        add("--steps", type=int, default=None, help="part 1: timed steps per run (digits 5, GPT 10; --quick 2)")
+        add("--warmup", type=int, default=None, help="part 1: warm-up steps per run (digits 2, GPT 3; --quick 1)")
+        add("--acc-steps", type=int, default=None, help="part 1: steps of the accuracy/perplexity runs (60, 200; 6)")
+        add("--batch-size", type=int, default=None, help="part 1: batch per worker (digits 32, GPT 8 windows)")
+        add("--val-windows", type=int, default=64, help="GPT: validation windows of the perplexity (64)")
+        add("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths (digits)")
+        add("--powersgd-ranks", type=int, nargs="+", default=None, help="PowerSGD ranks (digits 1 4, GPT 1 4 16)")
         add("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1)")
         add("--ps-hidden", type=int, nargs="+", default=[1024, 1024], help="parts 2 and 3's widths")
         add("--ps-steps", type=int, default=None, help="part 2: ds_mirrored steps per worker (50; 8)")
@@ -383,9 +254,21 @@ class Cluster(harness.Benchmark):
         add("--balance-warmup-epochs", type=int, default=None, help="part 3: untimed epochs (3; 1)")
         add("--global-batch", type=int, default=512, help="part 3: samples per step (512)")
         add("--interval", type=int, default=3, help="part 3: the balancer's re-division interval (3)")
-        add("--parts", nargs="+", choices=["compression", "ps", "balance"], default=["compression", "ps", "balance"])
+        add(
+            "--parts",
+            nargs="+",
+            choices=["compression", "ps", "balance"],
+            default=None,
+            help="parts to run (digits: compression ps balance; GPT: compression)",
+        )
         add("--timeout", type=float, default=240.0, help="seconds one configuration may take (240)")
         add("--dist-timeout", type=int, default=120, help="seconds any collective or server reply waits")
+        _workloads.add_options(parser)
+
+    def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
+        model_defaults(opts)
+        workload = _workloads.spec_of(opts)
+        return {"workload": workload, "workload_label": _workloads.label(workload, opts.hidden)}
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
         """Part 1 on every link, then parts 2 and 3, per repeat; then the accuracy runs. Raw results by part."""
@@ -395,7 +278,7 @@ class Cluster(harness.Benchmark):
             raise SystemExit(0)
         comp_names = [c["name"] for c in compression_configs(opts)]
         raw: dict[str, Any] = {
-            "compression": {link["key"]: {n: [] for n in comp_names} for link in LINKS},
+            "compression": {link["key"]: {n: [] for n in comp_names} for link in links_of(opts.model)},
             "ps": {c["name"]: [] for c in ps_configs(opts)},
             "balance": {EQUAL: [], BALANCED: []},
         }
@@ -434,12 +317,19 @@ class Cluster(harness.Benchmark):
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
         parts, raw = data["settings"]["parts"], data["raw"]
-        comp = summarise_compression(raw["compression"]) if "compression" in parts else None
+        gpt = is_gpt(data["settings"])
+        tokens = tokens_per_step(data["settings"]) if gpt else None
+        comp = summarise_compression(raw["compression"], tokens) if "compression" in parts else None
+        accuracy = data.get("accuracy") or {}
+        if comp is None:
+            targets = []
+        else:
+            targets = [ppl_verdict(comp, accuracy, data["compression_configs"]) if gpt else verdict(comp, accuracy)]
         out = {
             "compression": comp,
             "ps": summarise_ps(raw["ps"]) if "ps" in parts else None,
             "balance": summarise_balance(raw["balance"]) if "balance" in parts else None,
-            "targets": [verdict(comp, data.get("accuracy") or {})] if comp is not None else [],
+            "targets": targets,
         }
         out["notes"] = notes(self.view({**data, "summary": out}))
         return out
@@ -450,11 +340,13 @@ class Cluster(harness.Benchmark):
         return {**data["settings"], **data, **data["summary"]}
 
     def report(self, data: dict[str, Any]) -> list[str]:
-        return markdown(self.view(data))
+        view = self.view(data)
+        return markdown(view, gpt_markdown(view) if is_gpt(view) and view.get("compression") else None)
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        plot(self.view(data), out / "cluster.png")
-        return [out / "cluster.png"]
+        path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
+        plot(self.view(data), path)
+        return [path]
 
 
 if __name__ == "__main__":
