@@ -265,22 +265,23 @@ def plot(data: dict[str, Any], path: Path) -> None:
 
 
 def _perplexity_panel(ax: Any, data: dict[str, Any], names: list[str]) -> None:
+    """Each setting's perplexity relative to none's (in %, what the 2% rule reads), its value as the label."""
     ppl = data.get("accuracy") or {}
-    shown = [n for n in names if "final_ppl" in ppl.get(n, {})]
-    values = [ppl[n]["final_ppl"] for n in shown]
-    ax.bar(range(len(shown)), values, color="tab:green")
-    for i, v in enumerate(values):
-        ax.annotate(f"{v:.2f}", (i, v), ha="center", va="bottom", fontsize=8)
-    if "none" in shown:
-        limit = (1 + PPL_TOLERANCE) * ppl["none"]["final_ppl"]
-        ax.axhline(limit, color="k", ls="--", lw=1, label=f"none + {100 * PPL_TOLERANCE:g}%")
-        ax.legend(fontsize=8)
-    ax.set_xticks(range(len(shown)), shown)
-    ax.set_ylabel("validation perplexity")
+    base = ppl.get("none", {}).get("final_ppl")
+    shown = [n for n in names if "final_ppl" in ppl.get(n, {})] if base else []
+    excess = [100 * (ppl[n]["final_ppl"] / base - 1) for n in shown]
+    ax.bar(range(len(shown)), excess, color=["tab:green" if e <= 100 * PPL_TOLERANCE else "tab:red" for e in excess])
+    for i, (n, e) in enumerate(zip(shown, excess, strict=True)):
+        ax.annotate(f"{ppl[n]['final_ppl']:.2f}", (i, e), ha="center", va="bottom" if e >= 0 else "top", fontsize=8)
+    ax.axhline(100 * PPL_TOLERANCE, color="k", ls="--", lw=1, label=f"limit: none + {100 * PPL_TOLERANCE:g}%")
+    ax.axhline(0, color="k", lw=0.8)
+    ax.legend(fontsize=8)
+    ax.set_xticks(range(len(shown)), shown, rotation=20)
+    ax.set_ylabel("validation perplexity vs none's (%)")
     tokens = WORKERS * data.get("batch_size", 0) * data.get("gpt_block", 0) * (data.get("acc_steps") or 0)
     ax.set_title(
-        f"1. validation perplexity after {data.get('acc_steps')} steps = {tokens:,} tokens (one run per setting,"
-        " unshaped link)",
+        f"1. after {data.get('acc_steps')} steps = {tokens:,} tokens, one run per setting, unshaped link"
+        " (label: perplexity)",
         fontsize=9,
     )
     ax.grid(alpha=0.3, axis="y")

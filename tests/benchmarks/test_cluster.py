@@ -1,0 +1,231 @@
+"""The cluster benchmark's per-workload defaults, its GPT verdict (perplexity within 2% of none's) and the rendering of
+a fabricated GPT result; nothing here builds the namespace cluster."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from benchmarks import _cluster_worker as worker
+from benchmarks import harness
+from benchmarks._cluster_compression import compression_configs, compression_spec, ppl_verdict, summarise_compression
+from benchmarks.cluster import Cluster
+
+TOKENS = 2 * 8 * 128  # two workers' batches of 8 windows of 128 tokens
+
+
+def _opts(*argv: str) -> argparse.Namespace:
+    bench = Cluster()
+    opts = harness.cli.resolve(bench, harness.cli.parser(bench).parse_args([*argv, "--out", "unused"]))
+    bench.meta(opts)  # completes the per-workload defaults
+    return opts
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ((), (5, 2, 60, 32, [1, 4], ["compression", "ps", "balance"], 3)),
+        (("--quick",), (2, 1, 6, 32, [1, 4], ["compression", "ps", "balance"], 1)),
+        (("--model", "gpt"), (10, 3, 200, 8, [1, 4, 16], ["compression"], 3)),
+        (("--model", "gpt", "--quick"), (2, 1, 6, 8, [1, 4, 16], ["compression"], 1)),
+        (
+            ("--model", "gpt", "--powersgd-ranks", "2", "--parts", "compression", "ps", "--acc-steps", "9"),
+            (10, 3, 9, 8, [2], ["compression", "ps"], 3),
+        ),
+    ],
+)
+def test_per_workload_defaults_fill_only_what_is_unset(argv: tuple[str, ...], expected: tuple[Any, ...]):
+    o = _opts(*argv)
+    assert (o.steps, o.warmup, o.acc_steps, o.batch_size, o.powersgd_ranks, o.parts, o.repeats) == expected
+
+
+def test_the_gpt_spec_names_the_workload_and_its_perplexity_windows():
+    gpt = compression_spec(_opts("--model", "gpt", "--gpt-layers", "2"), 10, 3)
+    assert gpt["workload"] == {"model": "gpt", "n_layer": 2, "n_head": 4, "d_model": 128, "block_size": 128}
+    assert (gpt["batch_size"], gpt["lr"], gpt["val_windows"]) == (8, 1e-3, 64)
+    digits = compression_spec(_opts(), 5, 2)
+    assert digits["workload"] == {"model": "digits"} and (digits["batch_size"], digits["lr"]) == (32, 0.05)
+    assert "val_windows" not in digits
+
+
+# --- the GPT's verdict -----------------------------------------------------------------------------------------------
+
+
+def _configs(ranks: list[int]) -> list[dict[str, Any]]:
+    return compression_configs(argparse.Namespace(powersgd_ranks=ranks, powersgd_start_iter=1))
+
+
+def _comp(speedups: dict[str, float]) -> dict[str, Any]:
+    """A summary of the 100 Mbit/s link with these speedups over none."""
+    link = {"none": {"speedup_over_none": None}}
+    link |= {n: {"speedup_over_none": harness.spread([s])} for n, s in speedups.items()}
+    return {"100mbit": link}
+
+
+def _ppl(values: dict[str, float | None]) -> dict[str, Any]:
+    return {n: ({"error": "boom"} if v is None else {"final_ppl": v}) for n, v in values.items()}
+
+
+def test_verdict_counts_only_settings_within_2_percent_of_nones_perplexity():
+    speed = {"fp16": 2.0, "bf16": 2.1, "powersgd_r1": 12.0, "powersgd_r4": 8.0, "powersgd_r16": 5.5}
+    ppl = {"none": 10.0, "fp16": 10.01, "bf16": 10.3, "powersgd_r1": 11.0, "powersgd_r4": 10.19, "powersgd_r16": 9.9}
+    t = ppl_verdict(_comp(speed), _ppl(ppl), _configs([1, 4, 16]))
+    # r1 is the fastest but 10% worse: left out; the best of those within 2% is r4.
+    assert (t["best"], t["value"]["median"], t["met"]) == ("powersgd_r4", 8.0, True)
+    assert t["excluded_for_ppl_ratio"] == {"bf16": 1.03, "powersgd_r1": 1.1}
+    assert t["powersgd_ranks"] == [1, 4, 16] and t["powersgd_rank_within_tolerance"] == 4
+    assert t["ppl_ratio"]["powersgd_r16"] == pytest.approx(0.99)
+
+
+def test_smallest_passing_rank_is_the_smallest_not_the_first_listed():
+    speed = {"powersgd_r16": 4.0, "powersgd_r2": 6.0, "powersgd_r8": 5.0}
+    ppl = {"none": 10.0, "powersgd_r16": 10.0, "powersgd_r2": 10.5, "powersgd_r8": 10.1}
+    t = ppl_verdict(_comp(speed), _ppl(ppl), _configs([16, 2, 8]))
+    assert t["powersgd_rank_within_tolerance"] == 8
+    assert (t["best"], t["met"]) == ("powersgd_r8", True)
+
+
+def test_no_rank_within_2_percent_and_a_failed_perplexity_run_are_left_out():
+    speed = {"fp16": 1.9, "bf16": 1.8, "powersgd_r1": 12.0, "powersgd_r4": 9.0, "powersgd_r16": 6.0}
+    ppl = {"none": 10.0, "fp16": 10.0, "bf16": None, "powersgd_r1": 12.0, "powersgd_r4": 10.5, "powersgd_r16": 10.3}
+    t = ppl_verdict(_comp(speed), _ppl(ppl), _configs([1, 4, 16]))
+    assert t["powersgd_rank_within_tolerance"] is None
+    assert t["excluded_for_ppl_ratio"] == {"bf16": None, "powersgd_r1": 1.2, "powersgd_r4": 1.05, "powersgd_r16": 1.03}
+    assert (t["best"], t["value"]["median"], t["met"]) == ("fp16", 1.9, False)
+
+
+def test_without_nones_perplexity_nothing_counts():
+    t = ppl_verdict(_comp({"fp16": 2.0}), _ppl({"none": None, "fp16": 10.0}), _configs([1]))
+    assert (t["best"], t["value"], t["met"], t["powersgd_rank_within_tolerance"]) == (None, None, None, None)
+    assert t["excluded_for_ppl_ratio"] == {"fp16": None}
+
+
+def test_summary_adds_tokens_per_second_and_perplexity_for_the_gpt_only():
+    run = {"median_step_ms": 512.0, "bytes_per_step": 1e6}
+    raw = {"100mbit": {"none": [{**run, "final_ppl": 9.0}]}}
+    gpt = summarise_compression(raw, TOKENS)["100mbit"]["none"]
+    assert gpt["tokens_per_s"]["median"] == 4000.0 and gpt["final_ppl"]["median"] == 9.0
+    digits = summarise_compression({"100mbit": {"none": [{**run, "final_acc": 0.9}]}})["100mbit"]["none"]
+    assert "tokens_per_s" not in digits and "final_ppl" not in digits and digits["final_acc"]["median"] == 0.9
+
+
+# --- a fabricated GPT result, rendered -------------------------------------------------------------------------------
+
+
+def _run(step_ms: float, mb: float, ppl: float) -> dict[str, Any]:
+    return {
+        "median_step_ms": step_ms,
+        "median_step_ms_rank1": step_ms,
+        "step_ms": [step_ms] * 3,
+        "bytes_per_step": mb * 1e6,
+        "uncompressed_bytes_per_step": 3.5e6,
+        "final_ppl": ppl,
+        "fit_s": 5.0,
+        "to_first_step_s": 1.0,
+        "params": 890_000,
+        "param_checksum": 1.0,
+        "steps": 3,
+    }
+
+
+def _gpt_data() -> dict[str, Any]:
+    opts = _opts("--model", "gpt", "--quick")
+    configs = compression_configs(opts)
+    mb = {"none": 3.5, "fp16": 1.75, "bf16": 1.75, "powersgd_r1": 0.02, "powersgd_r4": 0.08, "powersgd_r16": 0.3}
+    fast = {"none": 200.0, "fp16": 150.0, "bf16": 160.0, "powersgd_r1": 110.0, "powersgd_r4": 120.0}
+    fast["powersgd_r16"] = 140.0
+    slow = {"none": 1024.0, "fp16": 512.0, "bf16": 520.0, "powersgd_r1": 100.0, "powersgd_r4": 128.0}
+    slow["powersgd_r16"] = 200.0
+    ppl = {"none": 10.0, "fp16": 10.01, "bf16": 10.3, "powersgd_r1": 11.0, "powersgd_r4": 10.19, "powersgd_r16": 10.05}
+    raw = {
+        "compression": {
+            "1gbit": {n: [_run(fast[n], mb[n], 200.0)] for n in mb},
+            "100mbit": {n: [_run(slow[n], mb[n], 200.0)] for n in mb},
+        },
+        "ps": {"ds_mirrored": [], "ps_async": []},
+        "balance": {"equal": [], "balanced": []},
+    }
+    settings = {k: v for k, v in vars(opts).items() if k not in ("out", "render")}
+    return {
+        "benchmark": "cluster",
+        "settings": settings,
+        "package": {"commit": "0123456789abcdef", "uncommitted": []},
+        **Cluster().meta(opts),
+        "compression_configs": configs,
+        "params": 890_000,
+        "setup": {"links": {}, "unsupported": {}, "probes": {"unshaped": 10000.0}, "qdisc_kind": "tbf"},
+        "accuracy": {n: _run(150.0, mb[n], p) for n, p in ppl.items()},
+        "launches": [],
+        "records": [],
+        "raw": raw,
+        "seconds": 240.0,
+    }
+
+
+def test_render_of_a_gpt_result_reports_tokens_per_second_and_perplexity_in_gpt_files(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    harness.write_json(tmp_path / "cluster_gpt.json", _gpt_data())
+    harness.main(Cluster(), ["--render", str(tmp_path / "cluster_gpt.json"), "--model", "gpt"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cluster_gpt.json", "cluster_gpt.md", "cluster_gpt.png"]
+    md = (tmp_path / "cluster_gpt.md").read_text()
+    assert md.startswith("# Network-namespace cluster on the byte-level GPT (4 layers, d_model 128, 4 heads,")
+    assert "(parts 2 and 3" not in md.splitlines()[0]  # the GPT's default run is part 1 only
+    assert "1 Gbit/s: tokens/s | 1 Gbit/s: speedup" in md and "val perplexity after 12,288 tokens | vs none |" in md
+    # 2048 tokens per step: 10240 tokens/s at 200 ms, 2000 at 1024 ms; 6 perplexity steps = 12,288 tokens.
+    assert "| none | 3.500 | 200 | 10240 | 1 | 1024 | 2000 | 1 | 150 | 10.000 | 1.0000x |" in md
+    assert "| powersgd_r4 | 0.080 | 120 | 17067 | **1.67x** | 128 | 16000 | **8.00x** | 150 | 10.190 | 1.0190x |" in md
+    assert "within 2% of none's | >= 5x faster | powersgd_r4: 8.00x | PASS |" in md
+    assert "powersgd_r1 is left out of the verdict: its perplexity is 1.1000x none's (limit 1.02x)." in md
+    assert "bf16 is left out of the verdict: its perplexity is 1.0300x none's" in md
+    assert "Smallest PowerSGD rank within 2% of none's perplexity: **4** (ranks tried: 1, 4, 16)." in md
+    assert "samples/s" not in md and "**2. ds_parameter_server" not in md
+    assert (tmp_path / "cluster_gpt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_render_says_when_no_powersgd_rank_stayed_within_2_percent(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    data = _gpt_data()
+    data["accuracy"]["powersgd_r4"]["final_ppl"] = 10.5
+    data["accuracy"]["powersgd_r16"]["final_ppl"] = 10.3
+    harness.write_json(tmp_path / "cluster_gpt.json", data)
+    harness.main(Cluster(), ["--render", str(tmp_path / "cluster_gpt.json"), "--model", "gpt"])
+    md = (tmp_path / "cluster_gpt.md").read_text()
+    assert "No PowerSGD rank tried (1, 4, 16) stayed within 2% of none's perplexity after the same tokens." in md
+    assert "within 2% of none's | >= 5x faster | fp16: 2.00x | **MISS** |" in md
+
+
+def test_worker_source_gives_every_configuration_the_same_gpt_and_validation_windows():
+    spec = {"workload": {"model": "gpt", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 16}}
+    spec.update(seed=0, val_windows=4, batch_size=2)
+    source, again = worker.make_source(spec), worker.make_source(spec)
+    x, y = source.val
+    assert x.shape == y.shape == (4, 16) and torch.equal(x, again.val[0]) and torch.equal(y, again.val[1])
+    assert torch.equal(x[:, 1:], y[:, :-1])  # targets are the inputs shifted by one byte
+    assert source.net is not None and again.net is not None
+    for a, b in zip(source.net.parameters(), again.net.parameters(), strict=True):
+        assert torch.equal(a, b)
+    digits = worker.make_source({"batch_size": 32, "seed": 0})
+    assert digits.net is None and digits.val[0].shape[1] == 64
+
+
+def test_the_digits_results_render_as_before_apart_from_the_title(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    source = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "cluster.json"
+    if not source.exists():
+        pytest.skip("no digits results in this checkout")
+    data = json.loads(source.read_text())
+    assert "model" not in data["settings"]  # written before --model: must read as the digits
+    assert json.loads(json.dumps(Cluster().summarise(data))) == data["summary"]  # the same keys and figures
+    harness.main(Cluster(), ["--render", str(source), "--out", str(tmp_path)])
+    lines = (tmp_path / "cluster.md").read_text().splitlines()
+    assert (
+        lines[0]
+        == "# Network-namespace cluster on the digits MLP 64-2240-2240-2240-10 (parts 2 and 3: 64-1024-1024-10)"
+    )
+    assert lines[2:] == source.with_suffix(".md").read_text().splitlines()
+    assert (tmp_path / "cluster.png").exists() and not (tmp_path / "cluster_gpt.md").exists()
