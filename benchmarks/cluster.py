@@ -131,6 +131,7 @@ def run_uneven_round(
     shaped = shape_links(cluster, {i: (UNEVEN_MBIT[i], None) for i in range(WORKERS)})
     setup["links"].setdefault("uneven", shaped)
     base = {"hidden": opts.ps_hidden, "lr": LR, "seed": 0, "dist_timeout": opts.dist_timeout, "workers": WORKERS}
+    base["workload"] = {"model": "digits"}  # whatever --model: on the GPT these parts are other benchmarks'
     if "ps" in opts.parts:
         for config in rotated(ps_configs(opts), r):
             spec = {**base, "kind": "ps", "batch_size": BATCH, "steps": opts.ps_steps}
