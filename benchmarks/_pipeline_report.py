@@ -139,7 +139,7 @@ def markdown(data: dict[str, Any]) -> list[str]:
     single_mem = " / ".join(
         f"m={m}: {v['peak_bytes'][0] / 2**20:.2f} MB" for m, v in single.items() if "peak_bytes" in v
     )
-    lines += ["", f"Single process peak activations: {single_mem}."]
+    lines += ["", f"Single process peak activations: {single_mem}.", *_cpu_section(s, meta.get("cpus"))]
     failures = [
         f"- p={c['p']} {c['schedule']} m={c['m']} {LABELS[impl]}: {c[impl]['failed_runs']} failed repeat(s):"
         f" {'; '.join(dict.fromkeys(c[impl]['errors']))}"
@@ -155,6 +155,39 @@ def markdown(data: dict[str, Any]) -> list[str]:
     if failures:
         lines += ["", "## Failures", "", *failures]
     return lines
+
+
+def _cpu_section(s: dict[str, Any], cpus: int | None) -> list[str]:
+    """CPU time per step, every rank's summed: where the ranks outnumber the cores, it bounds the step from below."""
+    if not any(c[impl].get("cpu_ms") for c in s["configs"] for impl in IMPLS):
+        return []  # results from before the CPU time was recorded
+    single = s["single"]["1"] if "1" in s["single"] else s["single"].get(1, {})
+    lines = [
+        "",
+        "## CPU time per step, all ranks together",
+        "",
+        "Each process's CPU time (every thread, gloo's included) from the first timed step's start to the last one's"
+        " end, per step, summed over the ranks: the work between steps (Lightning's loop, the data loader) is inside."
+        f" With more processes than the {cpus} cores, a step cannot be shorter than this sum / {cpus}."
+        f" Single process, whole batch: {_cell(single.get('cpu_ms'))} ms.",
+        "",
+        f"| p | schedule | m | hand-written loop | ds_pipeline | ds - hand | ds - hand per rank | sum / {cpus} cores:"
+        " hand | ds_pipeline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in s["configs"]:
+        hand, ds = c["hand"].get("cpu_ms"), c["ds"].get("cpu_ms")
+        diff = f"{ds['median'] - hand['median']:+.1f}" if hand and ds else "n/a"
+        per_rank = f"{(ds['median'] - hand['median']) / c['p']:+.1f}" if hand and ds else "n/a"
+        lines.append(
+            f"| {c['p']} | {c['schedule']} | {c['m']} | {_cell(hand)} | {_cell(ds)} | {diff} | {per_rank}"
+            f" | {_per_core(hand, cpus)} | {_per_core(ds, cpus)} |"
+        )
+    return lines
+
+
+def _per_core(cpu: dict[str, Any] | None, cpus: int | None) -> str:
+    return f"{cpu['median'] / cpus:.1f}" if cpu and cpus else "n/a"
 
 
 def _pyplot() -> Any:

@@ -202,6 +202,12 @@ def unit_bytes(spec: dict[str, Any], stage: int, stages: int, m: int) -> int:
     return measured
 
 
+def _cpu_ms_per_step(since: float, steps: int) -> float:
+    """This process's CPU time (every thread: gloo's too) per timed step: with more processes than cores, what the
+    ranks spend together bounds the step from below."""
+    return 1000 * (time.process_time() - since) / steps
+
+
 def record(spec: dict[str, Any], rank: int, cfg: dict[str, Any], times: list[float], **extra: Any) -> None:
     line = {
         "key": cfg["key"],
@@ -231,6 +237,7 @@ def run_single(spec: dict[str, Any]) -> None:
             x, y = data[step % len(data)]
             if step == spec["warmup"]:
                 METER.reset_peak()
+                cpu = time.process_time()
             start = time.perf_counter()
             if m == 1:
                 loss(net(x), y).backward()
@@ -242,8 +249,8 @@ def run_single(spec: dict[str, Any]) -> None:
             elapsed = time.perf_counter() - start
             if step >= spec["warmup"]:
                 times.append(elapsed)
-        peak = METER.peak
-        record(spec, 0, cfg, times, peak_bytes={"0": peak}, unit_bytes={"0": unit_bytes(spec, 0, 1, m)})
+        peak, cpu_ms = METER.peak, _cpu_ms_per_step(cpu, spec["steps"])
+        record(spec, 0, cfg, times, peak_bytes={"0": peak}, unit_bytes={"0": unit_bytes(spec, 0, 1, m)}, cpu_ms=cpu_ms)
 
 
 # --- hand-written torch.distributed.pipelining loop -------------------------------------------------------------------
@@ -275,6 +282,7 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
             recorder.begin_step(step)
             if step == spec["warmup"]:
                 METER.reset_peak()
+                cpu = time.process_time()
             start = time.perf_counter()
             if rank == 0:
                 schedule.step(x)
@@ -287,7 +295,7 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
             elapsed = time.perf_counter() - start
             if step >= spec["warmup"]:
                 times.append(elapsed)
-        peak = METER.peak
+        peak, cpu_ms = METER.peak, _cpu_ms_per_step(cpu, spec["steps"])
         unit = unit_bytes(spec, rank, p, m)
         record(
             spec,
@@ -297,6 +305,7 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
             peak_bytes={str(rank): peak},
             unit_bytes={str(rank): unit},
             spans=recorder.to_payload(),
+            cpu_ms=cpu_ms,
         )
     dist.barrier()
     dist.destroy_process_group()
@@ -350,10 +359,19 @@ def run_ds(spec: dict[str, Any]) -> None:
     class Timer(StepTimer):
         """The harness's clock; the activation peak restarts with the first timed step."""
 
+        cpu = 0.0
+        cpu_ms: float | None = None
+
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if len(self.step_ms) == self.warmup:
                 METER.reset_peak()
+                self.cpu = time.process_time()
             super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if len(self.step_ms) == self.warmup + spec["steps"]:  # Lightning's work between steps is inside
+                self.cpu_ms = _cpu_ms_per_step(self.cpu, spec["steps"])
 
     torch.set_num_threads(1)
     p = spec["procs"]
@@ -393,7 +411,16 @@ def run_ds(spec: dict[str, Any]) -> None:
         unit = unit_bytes(spec, rank, p, m)
         spans = _spans_from_chrome(trace_path) if rank == 0 and trace_path.exists() else []
         times = [ms / 1000 for ms in timer.step_ms[spec["warmup"] :]]
-        record(spec, rank, cfg, times, peak_bytes={str(rank): peak}, unit_bytes={str(rank): unit}, spans=spans)
+        record(
+            spec,
+            rank,
+            cfg,
+            times,
+            peak_bytes={str(rank): peak},
+            unit_bytes={str(rank): unit},
+            spans=spans,
+            cpu_ms=timer.cpu_ms,
+        )
 
 
 def main() -> None:

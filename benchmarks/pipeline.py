@@ -114,6 +114,8 @@ def _merge(lines: list[dict[str, Any]], procs: int) -> dict[str, dict[str, Any]]
         entry["peak_bytes"].update(line["peak_bytes"])
         entry["unit_bytes"].update(line["unit_bytes"])
         entry["spans"] += line.get("spans", [])
+        if line.get("cpu_ms") is not None:
+            entry["cpu_ms"] = entry.get("cpu_ms", 0.0) + line["cpu_ms"]  # every rank's, summed
         if line["rank"] == 0:
             entry["median_step_ms"] = line["median_step_ms"]
             entry["step_ms"] = line["step_ms"]
@@ -165,6 +167,7 @@ def summarise_config(records: list[dict[str, Any]], key: str) -> dict[str, Any]:
     out: dict[str, Any] = {
         "step_ms": harness.spread(r["median_step_ms"] for r in ok),
         "failed_runs": len(runs) - len(ok),
+        "cpu_ms": harness.spread(r.get("cpu_ms") for r in ok),  # every rank's CPU per step, summed
     }
     if ok:
         last = ok[-1]

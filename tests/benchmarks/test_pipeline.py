@@ -69,8 +69,9 @@ def test_gpt_stages_chain_to_the_whole_net_from_token_ids():
     assert worker.unit_bytes(spec, 1, 2, 2) == 2 * worker.unit_bytes(spec, 1, 2, 4) > 0
 
 
-def _config(step_ms: float, peaks: list[int], unit: int) -> dict[str, Any]:
+def _config(step_ms: float, peaks: list[int], unit: int, cpu_ms: float | None = None) -> dict[str, Any]:
     return {
+        "cpu_ms": cpu_ms,
         "median_step_ms": step_ms,
         "step_ms": [step_ms],
         "peak_bytes": {str(s): b for s, b in enumerate(peaks)},
@@ -87,17 +88,17 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
             {
                 "arm": "single",
                 "repeat": repeat,
-                "configs": {config_key("single", 1, "seq", 1): _config(200, [8 * mb], 8 * mb)},
+                "configs": {config_key("single", 1, "seq", 1): _config(200, [8 * mb], 8 * mb, cpu_ms=190)},
             },
             {
                 "arm": "hand p=2",
                 "repeat": repeat,
-                "configs": {config_key("hand", 2, "GPipe", 1): _config(125, [2 * mb, 3 * mb], 2 * mb)},
+                "configs": {config_key("hand", 2, "GPipe", 1): _config(125, [2 * mb, 3 * mb], 2 * mb, cpu_ms=210)},
             },
             {
                 "arm": "ds p=2",
                 "repeat": repeat,
-                "configs": {config_key("ds", 2, "GPipe", 1): _config(100, [2 * mb, 3 * mb], 2 * mb)},
+                "configs": {config_key("ds", 2, "GPipe", 1): _config(100, [2 * mb, 3 * mb], 2 * mb, cpu_ms=230)},
             },
         ]
     settings = {"model": "gpt", "procs": [2], "ms": [1], "batch": 8, "steps": 10, "warmup": 4, "repeats": 1}
@@ -112,6 +113,9 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
     # hand 125 ms -> 8,192 tokens/s, ds 100 ms -> 10,240 tokens/s, ratio 0.8
     assert "| 2 | GPipe | 1 | 200.0 | 125.0 | 100.0 | 8,192 | 10,240 | **0.800** |" in md
     assert "| 2 | GPipe | 1 | 2.00 / 3.00 | 2.00 / 3.00 | 1.00 / 1.50 | 1.00 / 1.50 | 1 / 1 |" in md
+    # CPU per step, ranks summed: ds - hand = +20 ms, +10 per rank; the 2-core floor is half of each sum
+    assert "Single process, whole batch: 190.0 ms." in md
+    assert "| 2 | GPipe | 1 | 210.0 | 230.0 | +20.0 | +10.0 | 105.0 | 115.0 |" in md
     for name in ("pipeline_gpt.png", "pipeline_gpt_memory.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "pipeline.md").exists() and not (tmp_path / "pipeline.png").exists()
@@ -142,5 +146,6 @@ def test_tiny_gpt_runs_both_schedules_with_activations_per_stage(impl: str, tmp_
         result = results[config_key(impl, 2, schedule, 2)]
         assert "error" not in result, result
         assert result["median_step_ms"] > 0
+        assert result["cpu_ms"] > 0  # both ranks' CPU per timed step, summed
         units = [result["peak_bytes"][str(s)] / result["unit_bytes"][str(s)] for s in range(2)]
         assert units == pytest.approx(expected), (schedule, units)
