@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import harness
+from benchmarks import harness, precision_ops
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
 from benchmarks.precision import LABELS, Precision
@@ -94,3 +94,19 @@ def test_render_of_the_digits_results_from_before_the_gpt_says_samples_per_secon
     assert "DigitsClassifier 64-1024-1024-10 (SGD lr 0.05 momentum 0.9), batch 256," in md
     assert "| vs fp32 | samples/s |" in md and "tokens" not in md
     assert (tmp_path / "precision.png").exists()
+
+
+def test_op_profile_writes_both_precisions_per_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """precision_ops.py profiles real steps: a row per top op with fp32, bf16 and their difference, and the total."""
+    argv = ["precision_ops.py", "--repeats", "1", "--steps", "1", "--top", "3", "--out", str(tmp_path)]
+    monkeypatch.setattr("sys.argv", argv)
+    precision_ops.main()
+    lines = (tmp_path / "precision_gpt_ops.md").read_text().splitlines()
+    rows = [line for line in lines if line.startswith("| `")]
+    assert len(rows) == 3
+    for row in rows:
+        fp32, bf16, diff = (float(cell) for cell in row.split("|")[2:5])
+        assert fp32 >= 0 and bf16 >= 0
+        assert diff == pytest.approx(bf16 - fp32, abs=0.011)
+    assert any("aten::mm" in row or "aten::addmm" in row for row in rows)  # the GPT's matmuls are among the top ops
+    assert next(line for line in lines if "every op" in line)

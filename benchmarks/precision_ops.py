@@ -1,0 +1,92 @@
+"""Where a GPT step's CPU time goes, op by op, in fp32 and under bf16 autocast: why bf16 buys the GPT little here.
+
+One process, 1 thread, the demo ``GPT`` (default shape), batch 8 windows of 128 tokens, AdamW; each repeat profiles
+``--steps`` steps of fp32, then of bf16 (``torch.autocast("cpu", torch.bfloat16)``, as ``MixedPrecision("bf16")``
+does), after 3 warm-up steps each. The table gives each op's self CPU time per step (``torch.profiler``), median over
+the repeats, for the ops that take the most time in either precision. The profiler adds overhead to every op, so the
+totals are above ``precision.py``'s step times; the comparison between the two columns is what this is for.
+
+    python benchmarks/precision_ops.py [--repeats 3] [--steps 5] [--top 10] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ds_lightning.demos import GPT
+
+PRECISIONS = ("fp32", "bf16")
+
+
+def _profile(model: GPT, optimizer: torch.optim.Optimizer, bf16: bool, steps: int) -> dict[str, float]:
+    """Self CPU milliseconds per step, by op."""
+    x = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
+    y = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(1))
+
+    def step() -> None:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model.pipeline_loss(model.net(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    for _ in range(3):
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step()
+    return {e.key: e.self_cpu_time_total / steps / 1000 for e in prof.key_averages()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--top", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    opts = parser.parse_args()
+    torch.set_num_threads(1)
+    runs: dict[str, list[dict[str, float]]] = {p: [] for p in PRECISIONS}
+    for _ in range(opts.repeats):  # interleaved: fp32, bf16, fp32, bf16, ...
+        for precision in PRECISIONS:
+            torch.manual_seed(0)
+            model = GPT()
+            optimizer = model.configure_optimizers()
+            runs[precision].append(_profile(model, optimizer, precision == "bf16", opts.steps))
+    ops = sorted({op for rs in runs.values() for r in rs for op in r})
+    median = {p: {op: statistics.median(r.get(op, 0.0) for r in runs[p]) for op in ops} for p in PRECISIONS}
+    top = sorted(ops, key=lambda op: -max(median[p][op] for p in PRECISIONS))[: opts.top]
+    total = {p: statistics.median(sum(r.values()) for r in runs[p]) for p in PRECISIONS}
+    lines = [
+        "# Where a GPT step's CPU time goes: fp32 against bf16 autocast",
+        "",
+        f"`benchmarks/precision_ops.py`: one process, 1 thread, {torch.__version__}, the demo GPT (0.9M parameters),"
+        f" batch 8 x 128 tokens, AdamW; {opts.steps} profiled steps per run after 3 warm-up steps, {opts.repeats}"
+        " interleaved repeats; self CPU time per step (torch.profiler, which adds its own overhead to every op),"
+        " median over repeats.",
+        "",
+        "| op | fp32 (ms/step) | bf16 (ms/step) | bf16 - fp32 |",
+        "|---|---|---|---|",
+    ]
+    for op in top:
+        a, b = median["fp32"][op], median["bf16"][op]
+        lines.append(f"| `{op}` | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+    a, b = total["fp32"], total["bf16"]
+    lines.append(f"| **every op** | **{a:.1f}** | **{b:.1f}** | **{b - a:+.1f}** |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    opts.out.mkdir(parents=True, exist_ok=True)
+    (opts.out / "precision_gpt_ops.md").write_text(text)
+    print(f"wrote {opts.out / 'precision_gpt_ops.md'}")
+
+
+if __name__ == "__main__":
+    main()
