@@ -222,6 +222,15 @@ def record(spec: dict[str, Any], rank: int, cfg: dict[str, Any], times: list[flo
         f.flush()
 
 
+def record_stage(
+    spec: dict[str, Any], rank: int, cfg: dict[str, Any], times: list[float], spans: list[Any], cpu_ms: float | None
+) -> None:
+    """One pipeline stage's record: its step times, activation peak against one micro-batch's, spans and CPU time."""
+    peak = {str(rank): METER.peak}  # before unit_bytes, which measures a micro-batch with the same meter
+    unit = unit_bytes(spec, rank, spec["procs"], cfg["m"])
+    record(spec, rank, cfg, times, peak_bytes=peak, unit_bytes={str(rank): unit}, spans=spans, cpu_ms=cpu_ms)
+
+
 # --- single process ---------------------------------------------------------------------------------------------------
 
 
@@ -295,18 +304,7 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
             elapsed = time.perf_counter() - start
             if step >= spec["warmup"]:
                 times.append(elapsed)
-        peak, cpu_ms = METER.peak, _cpu_ms_per_step(cpu, spec["steps"])
-        unit = unit_bytes(spec, rank, p, m)
-        record(
-            spec,
-            rank,
-            cfg,
-            times,
-            peak_bytes={str(rank): peak},
-            unit_bytes={str(rank): unit},
-            spans=recorder.to_payload(),
-            cpu_ms=cpu_ms,
-        )
+        record_stage(spec, rank, cfg, times, recorder.to_payload(), _cpu_ms_per_step(cpu, spec["steps"]))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -407,20 +405,9 @@ def run_ds(spec: dict[str, Any]) -> None:
         loader = DataLoader(TensorDataset(x, y), batch_size=batch_rows(spec), shuffle=False, drop_last=True)
         trainer.fit(BenchModule(), train_dataloaders=loader)
         rank = trainer.global_rank
-        peak = METER.peak
-        unit = unit_bytes(spec, rank, p, m)
         spans = _spans_from_chrome(trace_path) if rank == 0 and trace_path.exists() else []
         times = [ms / 1000 for ms in timer.step_ms[spec["warmup"] :]]
-        record(
-            spec,
-            rank,
-            cfg,
-            times,
-            peak_bytes={str(rank): peak},
-            unit_bytes={str(rank): unit},
-            spans=spans,
-            cpu_ms=timer.cpu_ms,
-        )
+        record_stage(spec, rank, cfg, times, spans, timer.cpu_ms)
 
 
 def main() -> None:
