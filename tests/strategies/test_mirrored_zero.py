@@ -19,7 +19,7 @@ from ds_lightning.strategies import MirroredStrategy
 from tests.callbacks.test_backup_and_restore import N, assert_same_params, final_params, samples_per_epoch, train
 from tests.helpers import zero_workers
 from tests.helpers.backup_runs import DIED
-from tests.helpers.runner import CONFIGS, ds_train, free_port, quiet_trainer_args
+from tests.helpers.runner import CONFIGS, ds_train, free_port, quiet_trainer_args, run_module
 
 pytestmark = pytest.mark.multiprocess
 
@@ -226,3 +226,18 @@ def test_composes_with_powersgd_accumulation_lr_scaling_and_resumes_from_a_backu
     latest = sorted((tmp_path / "cut_backups").glob("backup-step*.ckpt"))[-1]
     state = torch.load(latest, weights_only=True)["optimizer_states"][0]["state"]
     assert len(state) == 8 and {float(s["step"]) for s in state.values()} == {float(latest.stem[-9:])}
+
+
+def test_manual_optimization_with_two_optimizers_matches_plain(tmp_path):
+    """Each optimizer is sharded on its own; stepping one of them every other batch (on every rank) stays in parity."""
+    results = []
+    for shard in (0, 1):
+        out = tmp_path / f"manual{shard}.pt"
+        run = run_module("tests.helpers.zero_manual", [str(out), str(shard)], timeout=240)
+        assert run.returncode == 0, run.output[-4000:]
+        results.append(torch.load(out, weights_only=True))
+    plain, sharded = results
+    assert plain["optimizers"] == ["Adam", "SGD"]
+    assert sharded["optimizers"] == ["ZeroRedundancyOptimizer", "ZeroRedundancyOptimizer"]
+    for name, value in plain["state_dict"].items():
+        assert_close(sharded["state_dict"][name], value, atol=1e-6, rtol=1e-6)
