@@ -8,6 +8,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -19,11 +20,13 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
 from ds_lightning.data.even_batches import even_batches
+from ds_lightning.sharding import check_sharding_options, consolidated_state, load_sharded_states, shard_optimizers
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 
@@ -75,6 +78,8 @@ class MirroredStrategy(ClusterStrategy):
             to ``False``; pass ``gradient_as_bucket_view=False`` for torch's behaviour.
         even_batches: give every rank the same number of batches (capping to the shortest rank) so uneven inputs cannot
             hang gradient synchronisation.
+        shard_optimizer_state: ZeRO stage 1: each rank keeps and steps 1/N of the optimizer state (torch's
+            ``ZeroRedundancyOptimizer``); checkpoints still hold the whole state (see :mod:`ds_lightning.sharding`).
         **kwargs: passed on to torch's ``DistributedDataParallel``, e.g. ``broadcast_buffers=False``.
 
     Raises:
@@ -107,8 +112,10 @@ class MirroredStrategy(ClusterStrategy):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         even_batches: bool = True,
+        shard_optimizer_state: bool = False,
         **kwargs: Any,
     ) -> None:
+        check_sharding_options(shard_optimizer_state, model_averaging_period)
         check.choice("gradient_compression", gradient_compression, COMPRESSIONS)
         if ddp_comm_hook is not None and gradient_compression != "none":
             raise ValueError(
@@ -148,6 +155,7 @@ class MirroredStrategy(ClusterStrategy):
         )
         self.gradient_compression = gradient_compression
         self.even_batches = even_batches
+        self.shard_optimizer_state = shard_optimizer_state
         self._pending_compression_state: dict[str, Any] | None = None
         self._train_loader_factory: Callable[[Any], Any] | None = None
 
@@ -231,6 +239,20 @@ class MirroredStrategy(ClusterStrategy):
             return dataloader
         return even_batches(dataloader, self.root_device)
 
+    # --- optimizer-state sharding ----------------------------------------------------------------------------------
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.shard_optimizer_state:
+            self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self.shard_optimizer_state:
+            return super().optimizer_state(optimizer)
+        return consolidated_state(getattr(optimizer, "_optimizer", optimizer), writer=self.is_global_zero)
+
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
     @override
@@ -248,7 +270,10 @@ class MirroredStrategy(ClusterStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
+        if self.shard_optimizer_state:
+            load_sharded_states(self.optimizers, checkpoint["optimizer_states"])
+        else:
+            super().load_optimizer_state_dict(checkpoint)
         if self.gradient_compression != "powersgd":
             return
         saved = checkpoint.get(_CHECKPOINT_KEY)
