@@ -23,6 +23,7 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
+from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
 from ds_lightning.data.even_batches import even_batches
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
@@ -75,6 +76,10 @@ class MirroredStrategy(ClusterStrategy):
             to ``False``; pass ``gradient_as_bucket_view=False`` for torch's behaviour.
         even_batches: give every rank the same number of batches (capping to the shortest rank) so uneven inputs cannot
             hang gradient synchronisation.
+        hierarchical: two-level all-reduce: reduce inside each host, all-reduce between hosts' leaders (compressed
+            there only, when ``gradient_compression`` is set), broadcast inside the host. ``"auto"`` uses it with more
+            than one host and more than one process on some host; ``True`` does the same (flat with one host);
+            ``False`` always takes the flat all-reduce.
         **kwargs: passed on to torch's ``DistributedDataParallel``, e.g. ``broadcast_buffers=False``.
 
     Raises:
@@ -107,6 +112,7 @@ class MirroredStrategy(ClusterStrategy):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         even_batches: bool = True,
+        hierarchical: HierarchicalSetting = "auto",
         **kwargs: Any,
     ) -> None:
         check.choice("gradient_compression", gradient_compression, COMPRESSIONS)
@@ -115,6 +121,13 @@ class MirroredStrategy(ClusterStrategy):
                 f"ddp_comm_hook={ddp_comm_hook!r} and gradient_compression={gradient_compression!r} both decide how"
                 " gradients are all-reduced, and DDP runs one comm hook: leave gradient_compression='none' to run"
                 " your hook, or remove ddp_comm_hook."
+            )
+        if not (isinstance(hierarchical, bool) or hierarchical == "auto"):
+            raise ValueError(f"hierarchical={hierarchical!r} is not a choice: use True, False or 'auto'.")
+        if ddp_comm_hook is not None and hierarchical is True:
+            raise ValueError(
+                f"hierarchical=True runs ds_mirrored's own two-level comm hook, but ddp_comm_hook={ddp_comm_hook!r}"
+                " replaces it: remove ddp_comm_hook, or set hierarchical='auto' or False to run your hook."
             )
         check.number("bucket_cap_mb", bucket_cap_mb, "MirroredStrategy(bucket_cap_mb=25)", above=0)
         for flag_name, flag in (
@@ -148,6 +161,7 @@ class MirroredStrategy(ClusterStrategy):
         )
         self.gradient_compression = gradient_compression
         self.even_batches = even_batches
+        self.hierarchical = hierarchical
         self._pending_compression_state: dict[str, Any] | None = None
         self._train_loader_factory: Callable[[Any], Any] | None = None
 
@@ -170,7 +184,8 @@ class MirroredStrategy(ClusterStrategy):
             return
         # Lightning registers comm hooks on CUDA only; ours must work on gloo too.
         assert isinstance(self.model, DistributedDataParallel)
-        self._compressor.register(self.model, weighted=self._train_loader_factory is not None)
+        hosts = host_groups(self.hierarchical, self.node_rank, self.root_device, self._timeout)
+        self._compressor.register(self.model, weighted=self._train_loader_factory is not None, hosts=hosts)
 
     def balance_batches(self, train_loader_factory: Callable[[Any], Any]) -> None:
         """Let a load balancer build the training DataLoader and weight each rank's gradients.

@@ -1,0 +1,102 @@
+"""The two-level all-reduce: host grouping and the auto rule (pure), then real gloo processes against the flat ring."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from ds_lightning import MirroredStrategy
+from ds_lightning.comm.hierarchical import HostLayout, use_hierarchy
+from ds_lightning.testing.processes import free_port
+from tests.helpers import hierarchical_workers
+
+
+def test_hosts_group_ranks_by_node_rank_leaders_first():
+    layout = HostLayout.from_node_ranks([0, 0, 1, 1])
+    assert layout.hosts == ((0, 1), (2, 3))
+    assert layout.leaders == (0, 2) and layout.local_world_sizes == (2, 2) and layout.world_size == 4
+    assert [layout.host_of(r) for r in range(4)] == [0, 0, 1, 1]
+
+
+def test_hosts_may_be_uneven_and_listed_out_of_order():
+    # torchrun or TF_CONFIG may number ranks so that a host's ranks are not contiguous.
+    layout = HostLayout.from_node_ranks([1, 0, 1, 1, 0])
+    assert layout.hosts == ((1, 4), (0, 2, 3))
+    assert layout.leaders == (1, 0) and layout.local_world_sizes == (2, 3)
+    with pytest.raises(ValueError, match="rank 7 is on no host"):
+        layout.host_of(7)
+
+
+@pytest.mark.parametrize(
+    ("node_ranks", "setting", "expected"),
+    [
+        ([0, 0, 1, 1], "auto", True),  # 2 hosts x 2
+        ([0, 1, 1], "auto", True),  # uneven: one host with 2 processes is enough
+        ([0, 0, 0, 0], "auto", False),  # one host: nothing crosses hosts
+        ([0, 1, 2], "auto", False),  # one process per host: the leaders' ring is the flat ring
+        ([0, 0, 1, 1], False, False),
+        ([0, 0, 1, 1], True, True),
+        ([0, 0], True, False),  # one host: flat, with an info log
+    ],
+)
+def test_auto_rule(node_ranks, setting, expected):
+    assert use_hierarchy(setting, HostLayout.from_node_ranks(node_ranks)) is expected
+
+
+def test_true_on_one_host_logs_that_it_runs_flat(caplog):
+    with caplog.at_level("INFO", logger="ds_lightning.comm.hierarchical"):
+        assert use_hierarchy(True, HostLayout.from_node_ranks([0, 0])) is False
+    assert "hierarchical=True but the run has 1 host(s)" in caplog.text
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_bad_hierarchical_names_the_value(value):
+    with pytest.raises(ValueError, match=rf"hierarchical={value!r} is not a choice: use True, False or 'auto'"):
+        MirroredStrategy(hierarchical=value)
+
+
+def test_hierarchical_true_with_own_comm_hook_is_refused():
+    with pytest.raises(ValueError, match="remove ddp_comm_hook, or set hierarchical='auto' or False"):
+        MirroredStrategy(ddp_comm_hook=lambda state, bucket: None, hierarchical=True)
+    MirroredStrategy(ddp_comm_hook=lambda state, bucket: None)  # "auto" leaves the user's hook alone
+
+
+def _run(tmp_path, compression: str, weighted: bool = False) -> dict:
+    out = tmp_path / "result.pt"
+    mp.spawn(
+        hierarchical_workers.two_level_against_flat,
+        args=(4, free_port(), str(out), compression, weighted),
+        nprocs=4,
+        join=True,
+    )
+    return torch.load(out, weights_only=True)
+
+
+def _max_difference(result: dict) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(result["flat"], result["two_level"], strict=True))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("weighted", [False, True], ids=["plain", "load-balancer-weighted"])
+def test_two_level_equals_flat_ring_and_only_leaders_cross_hosts(tmp_path, weighted):
+    result = _run(tmp_path, "none", weighted)
+    assert result["leaders"] == (0, 2)
+    assert _max_difference(result) <= 1e-5
+    # Only the leaders send across hosts, one full-width gradient each per step.
+    assert result["bytes"] == [result["uncompressed"], 0.0, result["uncompressed"], 0.0]
+
+
+@pytest.mark.multiprocess
+def test_fp16_applies_to_the_inter_host_stage_only(tmp_path):
+    result = _run(tmp_path, "fp16")
+    assert _max_difference(result) < 1e-2
+    assert result["bytes"] == [result["uncompressed"] / 2, 0.0, result["uncompressed"] / 2, 0.0]
+
+
+@pytest.mark.multiprocess
+def test_full_rank_powersgd_among_leaders_equals_flat_ring(tmp_path):
+    # At full rank PowerSGD's projection is exact, so the two-level run must follow the flat one.
+    result = _run(tmp_path, "powersgd")
+    assert _max_difference(result) < 1e-4
+    assert result["bytes"][1] == result["bytes"][3] == 0.0 and result["bytes"][0] > 0
