@@ -62,14 +62,11 @@ def test_hierarchical_true_with_own_comm_hook_is_refused():
     MirroredStrategy(ddp_comm_hook=lambda state, bucket: None)  # "auto" leaves the user's hook alone
 
 
-def _run(tmp_path, compression: str, weighted: bool = False) -> dict:
-    out = tmp_path / "result.pt"
-    mp.spawn(
-        hierarchical_workers.two_level_against_flat,
-        args=(4, free_port(), str(out), compression, weighted),
-        nprocs=4,
-        join=True,
-    )
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Every case of the worker in one 4-process spawn (2 simulated hosts x 2): process start-up dominates."""
+    out = tmp_path_factory.mktemp("hierarchical") / "result.pt"
+    mp.spawn(hierarchical_workers.two_level_against_flat, args=(4, free_port(), str(out)), nprocs=4, join=True)
     return torch.load(out, weights_only=True)
 
 
@@ -79,24 +76,32 @@ def _max_difference(result: dict) -> float:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("weighted", [False, True], ids=["plain", "load-balancer-weighted"])
-def test_two_level_equals_flat_ring_and_only_leaders_cross_hosts(tmp_path, weighted):
-    result = _run(tmp_path, "none", weighted)
-    assert result["leaders"] == (0, 2)
+def test_two_level_equals_flat_ring_and_only_leaders_cross_hosts(runs, weighted):
+    assert runs["leaders"] == (0, 2)
+    result = runs["cases"][f"none-{weighted}"]
     assert _max_difference(result) <= 1e-5
     # Only the leaders send across hosts, one full-width gradient each per step.
     assert result["bytes"] == [result["uncompressed"], 0.0, result["uncompressed"], 0.0]
 
 
 @pytest.mark.multiprocess
-def test_fp16_applies_to_the_inter_host_stage_only(tmp_path):
-    result = _run(tmp_path, "fp16")
+def test_weighting_applies_before_the_intra_host_reduce(runs):
+    # Weighted and plain runs differ (the weights are not all 1), and the two-level run followed the weighted flat one.
+    plain, weighted = runs["cases"]["none-False"], runs["cases"]["none-True"]
+    assert max((a - b).abs().max().item() for a, b in zip(plain["flat"], weighted["flat"], strict=True)) > 1e-3
+    assert _max_difference(weighted) <= 1e-5
+
+
+@pytest.mark.multiprocess
+def test_fp16_applies_to_the_inter_host_stage_only(runs):
+    result = runs["cases"]["fp16-False"]
     assert _max_difference(result) < 1e-2
     assert result["bytes"] == [result["uncompressed"] / 2, 0.0, result["uncompressed"] / 2, 0.0]
 
 
 @pytest.mark.multiprocess
-def test_full_rank_powersgd_among_leaders_equals_flat_ring(tmp_path):
+def test_full_rank_powersgd_among_leaders_equals_flat_ring(runs):
     # At full rank PowerSGD's projection is exact, so the two-level run must follow the flat one.
-    result = _run(tmp_path, "powersgd")
+    result = runs["cases"]["powersgd-False"]
     assert _max_difference(result) < 1e-4
     assert result["bytes"][1] == result["bytes"][3] == 0.0 and result["bytes"][0] > 0
