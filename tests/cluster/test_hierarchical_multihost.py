@@ -54,4 +54,6 @@ def test_two_level_matches_the_flat_ring_and_sends_fewer_bytes_between_hosts(clu
     assert two_level["global_step"] == flat["global_step"] == STEPS
     for name, value in flat["state_dict"].items():
         assert (two_level["state_dict"][name] - value).abs().max().item() <= 1e-5, name
-    assert two_level_bytes < flat_bytes, (two_level_bytes, flat_bytes)
+    # Per step a host sends one gradient across (the leaders' all-reduce) instead of the flat ring's 1.5: 0.67x, and
+    # start-up traffic is common to both (measured here: 0.70x).
+    assert two_level_bytes < 0.8 * flat_bytes, (two_level_bytes, flat_bytes)
