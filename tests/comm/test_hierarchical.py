@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.multiprocessing as mp
+from jsonargparse import ArgumentParser
 
 from ds_lightning import MirroredStrategy
 from ds_lightning.comm.hierarchical import HostLayout, use_hierarchy
@@ -54,6 +55,17 @@ def test_true_on_one_host_logs_that_it_runs_flat(caplog):
 def test_bad_hierarchical_names_the_value(value):
     with pytest.raises(ValueError, match=rf"hierarchical={value!r} is not a choice: use True, False or 'auto'"):
         MirroredStrategy(hierarchical=value)
+
+
+@pytest.mark.parametrize(("text", "expected"), [("true", True), ("false", False), ("auto", "auto")])
+def test_hierarchical_from_yaml_keeps_bool_and_auto_apart(text, expected):
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--strategy", type=MirroredStrategy)
+    config = parser.parse_string(
+        f"strategy:\n  class_path: ds_lightning.strategies.MirroredStrategy\n  init_args:\n    hierarchical: {text}\n"
+    )
+    hierarchical = parser.instantiate_classes(config).strategy.hierarchical
+    assert hierarchical == expected and type(hierarchical) is type(expected)
 
 
 def test_hierarchical_true_with_own_comm_hook_is_refused():
