@@ -105,8 +105,17 @@ def test_weighting_applies_before_the_intra_host_reduce(runs):
 
 
 @pytest.mark.multiprocess
-def test_fp16_applies_to_the_inter_host_stage_only(runs):
-    result = runs["cases"]["fp16-False"]
+def test_uneven_hosts_match_the_flat_ring(runs):
+    assert runs["uneven"] == ((0, 1, 2), (3,))
+    result = runs["cases"]["uneven"]
+    assert _max_difference(result) <= 1e-5
+    assert result["bytes"] == [result["uncompressed"], 0.0, 0.0, result["uncompressed"]]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("half", ["fp16", "bf16"])
+def test_half_width_applies_to_the_inter_host_stage_only(runs, half):
+    result = runs["cases"][f"{half}-False"]
     assert _max_difference(result) < 1e-2
     assert result["bytes"] == [result["uncompressed"] / 2, 0.0, result["uncompressed"] / 2, 0.0]
 

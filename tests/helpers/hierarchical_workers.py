@@ -31,7 +31,7 @@ def _model() -> nn.Module:
 
 
 #: (inter-host compression, weighted) pairs, each trained flat and two-level in one process group.
-CASES = (("none", False), ("none", True), ("fp16", False), ("powersgd", False))
+CASES = (("none", False), ("none", True), ("fp16", False), ("bf16", False), ("powersgd", False))
 
 
 def _case(rank: int, groups: object, compression: str, weighted: bool) -> dict:
@@ -73,8 +73,12 @@ def two_level_against_flat(rank: int, world: int, port: int, out: str) -> None:
         groups = host_groups(True, rank // 2, torch.device("cpu"), TIMEOUT)
         assert groups is not None
         results = {f"{name}-{weighted}": _case(rank, groups, name, weighted) for name, weighted in CASES}
+        # Uneven hosts: 3 processes and 1 (the lone one has no in-host stage).
+        uneven = host_groups(True, int(rank == 3), torch.device("cpu"), TIMEOUT)
+        assert uneven is not None
+        results["uneven"] = _case(rank, uneven, "none", False)
         if rank == 0:
-            torch.save({"cases": results, "leaders": groups.layout.leaders}, out)
+            torch.save({"cases": results, "leaders": groups.layout.leaders, "uneven": uneven.layout.hosts}, out)
         dist.barrier()
     finally:
         dist.destroy_process_group()
