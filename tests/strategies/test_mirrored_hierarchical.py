@@ -13,15 +13,28 @@ from tests.helpers.runner import REPO, worker_env
 pytestmark = pytest.mark.multiprocess
 
 
-def _fit(tmp_path, hierarchical: str, compression: str = "none") -> list[dict]:
-    """One launch per simulated host (Lightning starts each host's second process); every rank's record."""
-    out = tmp_path / f"{hierarchical}-{compression}"
+def _fit(tmp_path, hierarchical: str, compression: str = "none", torchrun: bool = False) -> list[dict]:
+    """One launch per simulated host, every rank's record.
+
+    Lightning starts each host's second process from ``NODE_RANK``; with ``torchrun``, a static 2-node torchrun per
+    host starts both, and the hosts come from its ``GROUP_RANK``.
+    """
+    out = tmp_path / f"{hierarchical}-{compression}-{'torchrun' if torchrun else 'lightning'}"
     env = worker_env()
+    script = ["-m", "tests.helpers.hierarchical_run", str(out), hierarchical, compression]
+
+    def command(node: int) -> list[str]:
+        if not torchrun:
+            return [sys.executable, *script]
+        rendezvous = [f"--master-addr={env['MASTER_ADDR']}", f"--master-port={env['MASTER_PORT']}"]
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
+                "--nproc-per-node=2", *rendezvous, *script]  # fmt: skip
+
     hosts = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.helpers.hierarchical_run", str(out), hierarchical, compression],
+            command(node),
             cwd=REPO,
-            env={**env, "NODE_RANK": str(node)},
+            env={**env, "NODE_RANK": str(node)} if not torchrun else env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -52,3 +65,12 @@ def test_auto_goes_two_level_on_two_hosts_and_matches_the_flat_ring(tmp_path):
     # Replicas stayed identical inside and across hosts.
     for record in two_level[1:]:
         assert all(torch.equal(a, b) for a, b in zip(record["params"], two_level[0]["params"], strict=True))
+
+
+def test_hosts_come_from_torchrun_group_rank(tmp_path):
+    records = _fit(tmp_path, "auto", torchrun=True)
+    assert [r["node_rank"] for r in records] == [0, 0, 1, 1]
+    full = records[0]["bytes"]
+    assert full > 0 and [r["bytes"] for r in records] == [full, 0.0, full, 0.0]
+    for record in records[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(record["params"], records[0]["params"], strict=True))
