@@ -18,6 +18,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ds_lightning import _validation as check
+from ds_lightning.comm.hierarchical import HierarchicalState, HostGroups, hierarchical_hook
 from ds_lightning.comm.powersgd import PowerSGDState, powersgd_hook
 from ds_lightning.comm.wire import WireLog
 
@@ -102,13 +103,20 @@ class GradientCompressor:
         self.last_bucket_time = 0.0  # perf_counter() when the last bucket's hook last started (weighted only)
 
     def register(
-        self, model: DistributedDataParallel, process_group: dist.ProcessGroup | None = None, weighted: bool = False
+        self,
+        model: DistributedDataParallel,
+        process_group: dist.ProcessGroup | None = None,
+        weighted: bool = False,
+        hosts: HostGroups | None = None,
     ) -> None:
         """Register the hook on ``model`` (none for ``"none"``: DDP's built-in all-reduce is fastest).
 
         With ``weighted`` every bucket is first multiplied by :attr:`weight`, which the caller sets before each
         backward pass (the load balancer's ``world_size * local_batch / global_batch``), so the mean over ranks
         becomes the mean over the global batch; a hook is then registered for ``"none"`` too.
+
+        With ``hosts`` (from :func:`~ds_lightning.comm.hierarchical.host_groups`) gradients take the two-level
+        all-reduce, and the compression applies to its inter-host stage only; the weighting, if any, comes first.
 
         Raises:
             RuntimeError: if called twice; DDP accepts one comm hook per model (pytorch issue 102721).
@@ -118,24 +126,32 @@ class GradientCompressor:
             raise RuntimeError("GradientCompressor.register was called twice; DDP accepts one comm hook per model.")
         params = [p for p in model.parameters() if p.requires_grad]
         self._uncompressed_bytes = sum(p.numel() * p.element_size() for p in params)
+        hook: Callable[[Any, dist.GradBucket], Any]
         if self.name == "powersgd":
             state = PowerSGDState(
-                process_group=process_group,
+                process_group=hosts.leaders if hosts is not None else process_group,
                 rank=self.powersgd_rank,
                 start_iter=self.powersgd_start_iter,
                 min_compression_rate=self.powersgd_min_compression_rate,
                 seed=self.seed,
                 param_index={id(p): i for i, p in enumerate(model.parameters())},
             )
-            self._state = state
-            model.register_comm_hook(state, self._weighting(_powersgd_hook) if weighted else _powersgd_hook)
-            return
-        self._state = _CastState(process_group=process_group)
-        hook = {"none": _allreduce_hook, "fp16": _fp16_hook, "bf16": _bf16_hook}[self.name]
+            self._state, hook_state, hook = state, state, _powersgd_hook
+        else:
+            self._state = hook_state = _CastState(process_group=process_group)
+            hook = {"none": _allreduce_hook, "fp16": _fp16_hook, "bf16": _bf16_hook}[self.name]
+        if hosts is not None:
+            hook_state = HierarchicalState(
+                hosts,
+                wire=self._state.wire,
+                cast={"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.name),
+                powersgd=self._state if isinstance(self._state, PowerSGDState) else None,
+            )
+            hook = hierarchical_hook
         if weighted:
-            model.register_comm_hook(self._state, self._weighting(hook))
-        elif self.name != "none":
-            model.register_comm_hook(self._state, hook)
+            model.register_comm_hook(hook_state, self._weighting(hook))
+        elif self.name != "none" or hosts is not None:
+            model.register_comm_hook(hook_state, hook)
 
     def _weighting(self, hook: Callable[[Any, dist.GradBucket], Any]) -> Callable[[Any, dist.GradBucket], Any]:
         def weighted(state, bucket):  # unannotated: DDP checks a hook's annotations at runtime
@@ -161,6 +177,7 @@ class GradientCompressor:
 
         ``"none"`` without a hook (DDP's built-in all-reduce, kept hook-free for speed) reports the gradient bytes
         of the parameters DDP reduces: its buckets hold exactly those, and every bucket is all-reduced each step.
+        Under the two-level all-reduce it counts the inter-host stage only: a leader's payload, 0 on other ranks.
         """
         wire = self.wire
         if wire is not None:

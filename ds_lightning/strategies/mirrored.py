@@ -8,6 +8,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -19,11 +20,14 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
+from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
 from ds_lightning.data.even_batches import even_batches
+from ds_lightning.sharding import check_sharding_options, consolidated_state, load_sharded_states, shard_optimizers
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 
@@ -75,6 +79,12 @@ class MirroredStrategy(ClusterStrategy):
             to ``False``; pass ``gradient_as_bucket_view=False`` for torch's behaviour.
         even_batches: give every rank the same number of batches (capping to the shortest rank) so uneven inputs cannot
             hang gradient synchronisation.
+        shard_optimizer_state: ZeRO stage 1: each rank keeps and steps 1/N of the optimizer state (torch's
+            ``ZeroRedundancyOptimizer``); checkpoints still hold the whole state (see :mod:`ds_lightning.sharding`).
+        hierarchical: two-level all-reduce: reduce inside each host, all-reduce between hosts' leaders (compressed
+            there only, when ``gradient_compression`` is set), broadcast inside the host. ``"auto"`` uses it with more
+            than one host and more than one process on some host; ``True`` does the same (flat with one host);
+            ``False`` always takes the flat all-reduce.
         **kwargs: passed on to torch's ``DistributedDataParallel``, e.g. ``broadcast_buffers=False``.
 
     Raises:
@@ -107,14 +117,24 @@ class MirroredStrategy(ClusterStrategy):
         find_unused_parameters: bool = False,
         gradient_as_bucket_view: bool = True,
         even_batches: bool = True,
+        shard_optimizer_state: bool = False,
+        hierarchical: HierarchicalSetting = "auto",
         **kwargs: Any,
     ) -> None:
+        check_sharding_options(shard_optimizer_state, model_averaging_period)
         check.choice("gradient_compression", gradient_compression, COMPRESSIONS)
         if ddp_comm_hook is not None and gradient_compression != "none":
             raise ValueError(
                 f"ddp_comm_hook={ddp_comm_hook!r} and gradient_compression={gradient_compression!r} both decide how"
                 " gradients are all-reduced, and DDP runs one comm hook: leave gradient_compression='none' to run"
                 " your hook, or remove ddp_comm_hook."
+            )
+        if not (isinstance(hierarchical, bool) or hierarchical == "auto"):
+            raise ValueError(f"hierarchical={hierarchical!r} is not a choice: use True, False or 'auto'.")
+        if ddp_comm_hook is not None and hierarchical is True:
+            raise ValueError(
+                f"hierarchical=True runs ds_mirrored's own two-level comm hook, but ddp_comm_hook={ddp_comm_hook!r}"
+                " replaces it: remove ddp_comm_hook, or set hierarchical='auto' or False to run your hook."
             )
         check.number("bucket_cap_mb", bucket_cap_mb, "MirroredStrategy(bucket_cap_mb=25)", above=0)
         for flag_name, flag in (
@@ -148,6 +168,8 @@ class MirroredStrategy(ClusterStrategy):
         )
         self.gradient_compression = gradient_compression
         self.even_batches = even_batches
+        self.shard_optimizer_state = shard_optimizer_state
+        self.hierarchical = hierarchical
         self._pending_compression_state: dict[str, Any] | None = None
         self._train_loader_factory: Callable[[Any], Any] | None = None
 
@@ -170,7 +192,8 @@ class MirroredStrategy(ClusterStrategy):
             return
         # Lightning registers comm hooks on CUDA only; ours must work on gloo too.
         assert isinstance(self.model, DistributedDataParallel)
-        self._compressor.register(self.model, weighted=self._train_loader_factory is not None)
+        hosts = host_groups(self.hierarchical, self.node_rank, self.root_device, self._timeout)
+        self._compressor.register(self.model, weighted=self._train_loader_factory is not None, hosts=hosts)
 
     def balance_batches(self, train_loader_factory: Callable[[Any], Any]) -> None:
         """Let a load balancer build the training DataLoader and weight each rank's gradients.
@@ -231,6 +254,20 @@ class MirroredStrategy(ClusterStrategy):
             return dataloader
         return even_batches(dataloader, self.root_device)
 
+    # --- optimizer-state sharding ----------------------------------------------------------------------------------
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        super().setup_optimizers(trainer)
+        if self.shard_optimizer_state:
+            self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs)
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self.shard_optimizer_state:
+            return super().optimizer_state(optimizer)
+        return consolidated_state(getattr(optimizer, "_optimizer", optimizer), writer=self.is_global_zero)
+
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
     @override
@@ -248,7 +285,10 @@ class MirroredStrategy(ClusterStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        super().load_optimizer_state_dict(checkpoint)
+        if self.shard_optimizer_state:
+            load_sharded_states(self.optimizers, checkpoint["optimizer_states"])
+        else:
+            super().load_optimizer_state_dict(checkpoint)
         if self.gradient_compression != "powersgd":
             return
         saved = checkpoint.get(_CHECKPOINT_KEY)

@@ -16,6 +16,8 @@ from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
+from ds_lightning.sharding import optimizer_state_bytes
+
 
 class SaveParams(Callback):
     """At the end of fit, every rank writes its parameters and step count to ``{path}.rank{R}.pt``."""
@@ -201,3 +203,23 @@ class KillAt(Callback):
         first_round = os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"
         if first_round and trainer.global_rank == self.rank and trainer.global_step == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class RecordOptimizerState(Callback):
+    """At the end of fit, every rank writes the bytes of the optimizer state it holds, and the optimizer's class, to
+    ``{path}.rank{R}.json``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = trainer.optimizers[0]
+        local = getattr(optimizer, "optim", optimizer)  # the one that steps, under sharding
+        record = {
+            "state_bytes": optimizer_state_bytes(optimizer),
+            "optimizer": type(optimizer).__name__,
+            "local_optimizer": type(local).__name__,
+            "local_params": sum(p.numel() for group in local.param_groups for p in group["params"]),
+            "local_lr": float(local.param_groups[0]["lr"]),
+        }
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
