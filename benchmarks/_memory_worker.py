@@ -1,0 +1,147 @@
+"""One memory-benchmark run: ds_mirrored, plain or with ``shard_optimizer_state=True``, on N CPU processes.
+
+Started by ``benchmarks/memory.py`` with a JSON spec (``procs``, ``sharded``, the ``"workload"``: the digits MLP under
+Adam, or the GPT under AdamW; ``benchmarks/_workloads.py``). Lightning's launcher runs this script once per rank. At
+the end of training every rank reads its own figures (optimizer-state bytes, peak RSS, the bytes it hands to the
+gradient all-reduce and, sharded, to ``ZeroRedundancyOptimizer``'s parameter broadcasts); rank 0 gathers them (a
+collective every rank joins) and writes ``result.json`` with its step times.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ds_lightning
+from benchmarks import _workloads
+from benchmarks._mirrored_worker import BenchModel
+from benchmarks.harness.timing import StepTimer
+from ds_lightning.sharding import optimizer_state_bytes
+
+#: ``ZeroRedundancyOptimizer`` with ``parameters_as_bucket_view=True`` broadcasts a one-element fp32 tensor for a rank
+#: that owns no trainable parameter (its "dummy bucket")
+DUMMY_BUCKET_BYTES = 4
+
+
+def broadcast_bytes(partition: Sequence[Sequence[Mapping[str, Any]]], bucket_view: bool = False) -> list[int]:
+    """Bytes each rank hands, as the source, to ``ZeroRedundancyOptimizer``'s parameter broadcasts in one step.
+
+    After its local step, torch's ``ZeroRedundancyOptimizer`` (``_sync_params``) broadcasts, from every rank, the
+    parameters that rank owns: one ``broadcast`` per parameter (its whole ``param.data``, trainable or not), or with
+    ``parameters_as_bucket_view=True`` one per rank and device: a flat bucket of the owner's trainable parameters
+    (one fp32 element when it owns none). This counts those payloads on one device; it is not a measurement.
+
+    Args:
+        partition: per rank, its parameter groups (dicts with ``"params"``), as ``_partition_parameters()`` gives.
+        bucket_view: the optimizer's ``parameters_as_bucket_view``.
+
+    Returns:
+        Per rank, the bytes it broadcasts as the source per optimizer step.
+
+    """
+    out = []
+    for groups in partition:
+        params = [p for group in groups for p in group["params"]]
+        if bucket_view:
+            size = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+            out.append(size or DUMMY_BUCKET_BYTES)
+        else:
+            out.append(sum(p.numel() * p.element_size() for p in params))
+    return out
+
+
+def broadcasts_per_step(partition: Sequence[Sequence[Mapping[str, Any]]], bucket_view: bool = False) -> int:
+    """How many ``broadcast`` calls every rank joins per step (one per parameter, or one bucket per rank)."""
+    if bucket_view:
+        return len(partition)
+    return sum(len(group["params"]) for groups in partition for group in groups)
+
+
+def _unwrap(optimizer: Any) -> Any:
+    while hasattr(optimizer, "_optimizer"):  # Lightning's LightningOptimizer
+        optimizer = optimizer._optimizer
+    return optimizer
+
+
+class AdamModel(BenchModel):
+    """The workload's net under Adam (digits) or AdamW (the GPT, as in the mirrored benchmark)."""
+
+    @override
+    def configure_optimizers(self):
+        if self.model_name == "gpt":
+            return torch.optim.AdamW(self.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+class MemoryReading(Callback):
+    """At the end of training, every rank's figures, gathered on rank 0 (every rank calls the gather)."""
+
+    def __init__(self) -> None:
+        self.ranks: list[dict[str, Any]] = []
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        optimizer = _unwrap(trainer.optimizers[0])
+        rank, world = trainer.global_rank, trainer.world_size
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            partition = optimizer._partition_parameters()
+            bucket_view = bool(optimizer.parameters_as_bucket_view)
+            sent = broadcast_bytes(partition, bucket_view)[rank]
+            calls = broadcasts_per_step(partition, bucket_view)
+        else:
+            sent, calls = 0, 0
+        mine = {
+            "rank": rank,
+            "optimizer_class": type(optimizer).__name__,
+            "state_bytes": optimizer_state_bytes(optimizer),
+            "grad_bytes": float(trainer.strategy.comm_bytes_per_step),
+            "broadcast_bytes": sent,
+            "broadcast_calls": calls,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
+        }
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, mine)
+        self.ranks = gathered
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    pl.seed_everything(0, verbose=False)
+    workload = _workloads.build(spec["workload"], spec["hidden"])
+    timer, reading = StepTimer(warmup=spec["warmup"]), MemoryReading()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=spec["procs"],
+        strategy=ds_lightning.MirroredStrategy(shard_optimizer_state=spec["sharded"]),
+        max_steps=spec["warmup"] + spec["steps"],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=[timer, reading],
+    )
+    loader = DataLoader(workload.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
+    trainer.fit(AdamModel(workload), train_dataloaders=loader)
+    if trainer.is_global_zero:
+        out = {**timer.reading(), "ranks": reading.ranks, "parameters": workload.parameters}
+        Path(spec["out_dir"], "result.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

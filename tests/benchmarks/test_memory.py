@@ -1,0 +1,138 @@
+"""The memory benchmark's broadcast count (by hand, and against what torch's ZeroRedundancyOptimizer really
+broadcasts) and its reading of fabricated digits and GPT results."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from benchmarks import harness
+from benchmarks._memory_worker import broadcast_bytes, broadcasts_per_step
+from benchmarks.harness.cli import parser, resolve
+from benchmarks.harness.writers import write_json
+from benchmarks.memory import Memory, arm_name, reading_of, verdict
+from ds_lightning.testing import free_port
+
+
+def _param(*shape: int, dtype: torch.dtype = torch.float32, trainable: bool = True) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=dtype), requires_grad=trainable)
+
+
+def test_broadcast_bytes_counts_each_owners_parameters_by_hand():
+    partition = [
+        [{"params": [_param(10, 10), _param(5)]}],  # 400 + 20 bytes
+        [{"params": [_param(3, dtype=torch.float64)]}, {"params": [_param(4, trainable=False)]}],  # 24 + 16
+        [{"params": []}],  # owns nothing
+    ]
+    # one broadcast per parameter, trainable or not
+    assert broadcast_bytes(partition) == [420, 40, 0]
+    assert broadcasts_per_step(partition) == 4
+    # parameters_as_bucket_view: one bucket per rank of its trainable parameters, one fp32 element when empty
+    assert broadcast_bytes(partition, bucket_view=True) == [420, 24, 4]
+    assert broadcasts_per_step(partition, bucket_view=True) == 3
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_broadcast_bytes_match_what_zero_redundancy_optimizer_broadcasts(one_rank_group, monkeypatch):
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    sent: list[tuple[int, int]] = []
+    real = dist.broadcast
+
+    def recording(tensor: torch.Tensor, src: int, *args: Any, **kwargs: Any) -> Any:
+        sent.append((src, tensor.numel() * tensor.element_size()))
+        return real(tensor, src, *args, **kwargs)
+
+    monkeypatch.setattr(dist, "broadcast", recording)
+    model(torch.randn(4, 6)).sum().backward()
+    optimizer.step()
+    partition = optimizer._partition_parameters()
+    assert sum(b for src, b in sent if src == 0) == broadcast_bytes(partition)[0] == (6 * 5 + 5 + 5 * 3 + 3) * 4
+    assert len(sent) == broadcasts_per_step(partition) == 4
+
+
+@pytest.mark.parametrize(("median", "limit", "expected"), [(0.5, 0.55, "PASS"), (0.6, 0.55, "MISS"), (1.0, None, "-")])
+def test_verdict_judges_the_median_ratio(median: float, limit: float | None, expected: str):
+    assert verdict({"median": median, "min": 0.0, "max": 9.0}, limit) == expected
+    assert verdict(None, 1.0) == "-"
+
+
+def _opts(*argv: str) -> argparse.Namespace:
+    bench = Memory()
+    opts = resolve(bench, parser(bench).parse_args([*argv, "--out", "unused"]))
+    bench.meta(opts)
+    return opts
+
+
+def _ranks(procs: int, sharded: bool, total_state: int, grad: float, params_bytes: int) -> list[dict[str, Any]]:
+    state = [total_state // procs if sharded else total_state] * procs
+    bcast = [params_bytes // procs if sharded else 0] * procs
+    if sharded:  # an uneven partition: rank 0 holds more
+        state[0] += 1000
+        bcast[0] += 250
+    return [
+        {
+            "rank": r,
+            "optimizer_class": "ZeroRedundancyOptimizer" if sharded else "Adam",
+            "state_bytes": state[r],
+            "grad_bytes": grad,
+            "broadcast_bytes": bcast[r],
+            "broadcast_calls": 6 if sharded else 0,
+            "peak_rss_mb": 300.0 + r,
+        }
+        for r in range(procs)
+    ]
+
+
+def _data(model: str) -> dict[str, Any]:
+    opts = _opts("--model", model)
+    params = 1_000_000
+    records = []
+    for i, (procs, sharded) in enumerate((p, s) for p in (2, 4) for s in (False, True)):
+        ranks = _ranks(procs, sharded, 8 * params + 24, 4.0 * params, 4 * params)
+        result = {"median_step_ms": 100.0 * (1.05 if sharded else 1.0), "ranks": ranks, "parameters": params}
+        records.append(
+            {"arm": arm_name(sharded, procs), "repeat": 0, "order": i, "seconds": 20.0, "rc": 0, **reading_of(result)}
+        )
+    settings = {k: v for k, v in vars(opts).items() if k not in ("out", "render")}
+    arms = {arm_name(s, p): f"{'sharded' if s else 'plain'}, {p} procs" for p in (2, 4) for s in (False, True)}
+    return {"benchmark": "memory", "settings": settings, **Memory().meta(opts), "arms": arms, "records": records}
+
+
+@pytest.mark.parametrize(("model", "stem"), [("digits", "memory"), ("gpt", "memory_gpt")])
+def test_render_writes_the_workloads_files_with_each_target_and_the_bytes_ratio(tmp_path: Path, model: str, stem: str):
+    pytest.importorskip("matplotlib")
+    write_json(tmp_path / f"{stem}.json", _data(model))
+    harness.main(Memory(), ["--render", str(tmp_path / f"{stem}.json")])
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{stem}.json", f"{stem}.md", f"{stem}.png"]
+    md = (tmp_path / f"{stem}.md").read_text()
+    name = "byte-level GPT (4 layers" if model == "gpt" else "digits MLP 64-1024-1024-10"
+    assert md.startswith(f"# Optimizer-state sharding on the {name}")
+    assert ("AdamW" in md) == (model == "gpt")
+    assert "not measured on a wire" in md
+    # state: 2 ranks (4,000,012 + 1000) / 8,000,024 = 0.500; 4 ranks (2,000,006 + 1000) / 8,000,024 = 0.250
+    assert "| optimizer-state bytes, largest rank | 2 | 0.500 | <= 0.55x | **PASS** |" in md
+    assert "| optimizer-state bytes, largest rank | 4 | 0.250 | <= 0.30x | **PASS** |" in md
+    assert "| step time (rank 0's median) | 2 | 1.050 | <= 1.10x | **PASS** |" in md
+    # bytes sent, largest rank: 2 ranks (4e6 + 2e6 + 250) / 4e6 = 1.500; 4 ranks (4e6 + 1e6 + 250) / 4e6 = 1.250
+    assert "| bytes sent per step, largest rank | 2 | 1.500 | <= 1.10x | **MISS** |" in md
+    assert "| bytes sent per step, largest rank | 4 | 1.250 | <= 1.10x | **MISS** |" in md
+    assert "| peak RSS, largest rank (no target) | 4 | 1.000 | - | - |" in md
+    # every rank's optimizer state, and the sharded run's broadcast of the largest rank
+    assert "| sharded, 2 procs | 4.001 / 4.000 | 105.00 | 4.000 | 2.000 | 6.000 | 301 |" in md
+    assert "| plain, 4 procs | 8.000 / 8.000 / 8.000 / 8.000 | 100.00 | 4.000 | 0.000 | 4.000 | 303 |" in md
