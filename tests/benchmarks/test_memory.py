@@ -4,6 +4,7 @@ broadcasts) and its reading of fabricated digits and GPT results."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from benchmarks import harness
 from benchmarks._memory_worker import broadcast_bytes, broadcasts_per_step
+from benchmarks._memory_worker import main as worker_main
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
 from benchmarks.memory import Memory, arm_name, reading_of, verdict
@@ -136,3 +138,30 @@ def test_render_writes_the_workloads_files_with_each_target_and_the_bytes_ratio(
     # every rank's optimizer state, and the sharded run's broadcast of the largest rank
     assert "| sharded, 2 procs | 4.001 / 4.000 | 105.00 | 4.000 | 2.000 | 6.000 | 301 |" in md
     assert "| plain, 4 procs | 8.000 / 8.000 / 8.000 / 8.000 | 100.00 | 4.000 | 0.000 | 4.000 | 303 |" in md
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_worker_reads_a_ranks_state_gradient_and_broadcast_bytes(tmp_path: Path, monkeypatch, sharded: bool):
+    # One process only (world size 1): the figures' plumbing, counted by hand for the 64-16-10 MLP under Adam.
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    spec = {"procs": 1, "sharded": sharded, "hidden": [16], "batch_size": 8, "steps": 2, "warmup": 1}
+    spec.update(workload={"model": "digits"}, out_dir=str(tmp_path))
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    threads = torch.get_num_threads()  # the worker pins 1 thread: give this test process its own back
+    try:
+        worker_main(str(tmp_path / "spec.json"))
+    finally:
+        torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    reading = reading_of(json.loads((tmp_path / "result.json").read_text()))
+    params = 64 * 16 + 16 + 16 * 10 + 10  # 1,210 fp32 parameters in 4 tensors
+    assert reading["parameters"] == params
+    assert reading["optimizer_class"] == ("ZeroRedundancyOptimizer" if sharded else "Adam")
+    assert reading["state_bytes_ranks"] == [2 * 4 * params + 4 * 4]  # two moments, and a 4-byte step per tensor
+    assert reading["grad_bytes"] == 4 * params
+    assert reading["broadcast_bytes_ranks"] == [4 * params if sharded else 0]
+    assert reading["broadcast_calls"] == (4 if sharded else 0)
+    assert reading["sent_bytes_max"] == (8 if sharded else 4) * params
+    assert reading["rss_mb_max"] > 0
