@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as _FutureTimeout
 from pathlib import Path
@@ -9,7 +10,6 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
@@ -18,9 +18,32 @@ from ds_lightning.backup.store import BackupStore
 __all__ = ["BackupWriter"]
 
 
-def _detached_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    # Training goes on changing the parameters and optimizer state in place while the file is written.
-    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+_SCALARS = (int, float, bool, str, bytes, type(None))
+
+
+def _detached_copy(obj: Any) -> Any:
+    """``obj`` with every tensor copied to host memory: training goes on changing them in place during the write.
+
+    Containers are rebuilt (``copy.copy`` keeps a state dict's ``_metadata``), other values are kept. A sequence of
+    scalars (Python's random state is 625 ints) is kept whole: walking it item by item, as Lightning's
+    ``apply_to_collection`` does, made most of the loop's wait for a small model.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            if not isinstance(value, _SCALARS):
+                out[key] = _detached_copy(value)
+        return out
+    if isinstance(obj, (list, tuple)):
+        if all(isinstance(v, _SCALARS) for v in obj):
+            return obj if isinstance(obj, tuple) else list(obj)
+        items = [_detached_copy(v) for v in obj]
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)  # a namedtuple takes fields
+    return obj
 
 
 class BackupWriter(CheckpointIO):

@@ -9,13 +9,13 @@ from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.backup.agreement import StepAgreement
 from ds_lightning.backup.position import move_batch_counters, random_states, set_random_states
 from ds_lightning.backup.preemption import PreemptionWatch
 from ds_lightning.backup.store import BackupStore
@@ -49,8 +49,9 @@ class BackupAndRestore(Callback):
     for a copy of the state in host memory, and a thread writes the file.
 
     Preemption: on SIGTERM or SIGUSR1 (what Kubernetes and SLURM send before stopping a job) every rank takes a
-    backup at the next optimizer step, at a step all ranks agree on, then the process exits with ``exit_code``; if that
-    has not happened within ``grace_seconds``, it exits anyway and the previous backup stands.
+    backup at the optimizer step after the next one (a step all ranks agree on without waiting for each other), then
+    the process exits with ``exit_code``; if that has not happened within ``grace_seconds``, it exits anyway and the
+    previous backup stands.
 
     ``backup_dir`` must be the same directory for every process (shared storage across hosts). Under
     ``ds_parameter_server`` the chief writes the backups, with the servers' state; an asynchronous run resumes from
@@ -112,6 +113,7 @@ class BackupAndRestore(Callback):
         self._writer = BackupWriter(self._store, async_save)
         self._watch = PreemptionWatch([signal.Signals[s] for s in self.signals], self.grace_seconds, exit_code)
         self._cursor = DataCursor()
+        self._agreement = StepAgreement()
         self._restored: dict[str, Any] | None = None
         # Samples of the current epoch trained so far, counted here: Lightning's batch counters of a run that was
         # itself restored do not always start where that run's data did.
@@ -142,6 +144,8 @@ class BackupAndRestore(Callback):
             )
         timeout = getattr(strategy, "_timeout", None)  # Lightning's DDP keeps it there too
         self._writer.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else None
+        self._agreement.timeout = self._writer.timeout
+        self._agreement.reset()
         self._cursor.clear()
         self._restored, self.restored_from = None, None
         self._epoch_counted, self._samples, self._resume = None, 0, None
@@ -227,8 +231,8 @@ class BackupAndRestore(Callback):
         if trainer.global_step == self._last_step:
             return  # inside an accumulation window: not a point the run can resume from
         self._last_step = step = trainer.global_step
-        timed = self.every_n_seconds is not None and time.monotonic() - self._last_time >= self.every_n_seconds
-        timed, preempted = _agree(trainer, timed, self._watch.received is not None)
+        # Raised by any rank at the previous optimizer step: every rank acts on them here, at this same step.
+        timed, preempted = self._agreement.collect(2)
         due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
         if due or timed or preempted:
             self.save(trainer)
@@ -236,6 +240,10 @@ class BackupAndRestore(Callback):
             self._writer.wait()
             rank_zero_info(f"BackupAndRestore: preempted; backed up at step {step}, exiting with code {self.exit_code}")
             raise SystemExit(self.exit_code)
+        # After the save, which restarts the timer: a timed backup is not taken twice.
+        timer = self.every_n_seconds is not None and time.monotonic() - self._last_time >= self.every_n_seconds
+        flags = (timer, self._watch.received is not None)
+        self._agreement.start(flags, trainer.strategy.root_device, collective=_collective(trainer))
 
     def _count_samples(self, trainer: pl.Trainer) -> None:
         epoch = trainer.current_epoch
@@ -297,10 +305,7 @@ def _gather(trainer: pl.Trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
     return gathered
 
 
-def _agree(trainer: pl.Trainer, *flags: bool) -> tuple[bool, ...]:
-    """Whether any rank raised each flag (every rank then acts at this same step)."""
-    if isinstance(trainer.strategy, ParameterServerStrategy) or not dist.is_initialized() or trainer.world_size == 1:
-        return flags  # workers of a parameter server act on their own
-    tensor = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=trainer.strategy.root_device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tuple(bool(v) for v in tensor.tolist())
+def _collective(trainer: pl.Trainer) -> bool:
+    """Whether the ranks agree on flags (not under the parameter server, whose workers act on their own)."""
+    strategy = trainer.strategy
+    return not isinstance(strategy, ParameterServerStrategy) and dist.is_initialized() and trainer.world_size > 1

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -75,6 +77,34 @@ def test_the_async_writer_copies_the_state_before_training_changes_it(tmp_path: 
     for step in (1, 2, 3):
         saved = torch.load(store.path_for(step), weights_only=True)["w"]
         torch.testing.assert_close(saved, torch.full((1000,), float(step - 1)))
+
+
+Pair = collections.namedtuple("Pair", "tensor count")
+
+
+def test_the_async_writer_copies_nested_tensors_and_keeps_the_rest_as_saved(tmp_path: Path) -> None:
+    store = BackupStore(tmp_path, keep=1)
+    writer = BackupWriter(store, async_save=True)
+    model = torch.nn.Linear(3, 2)
+    weight = torch.zeros(4)
+    checkpoint = {
+        "state_dict": model.state_dict(),
+        "nested": [(weight, 1), Pair(weight, 2), {"deep": [weight]}],
+        "python_random": random.getstate(),  # 625 ints, kept whole
+    }
+    writer.save_checkpoint(checkpoint, store.path_for(1))
+    weight.add_(1.0)
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    writer.teardown()
+    saved = torch.load(store.path_for(1), weights_only=False)
+    assert saved["state_dict"]._metadata == model.state_dict()._metadata  # load_state_dict's version information
+    torch.testing.assert_close(saved["state_dict"]["weight"], model.weight.detach() - 1.0)
+    (first, one), (second, two), deep = saved["nested"]
+    assert (one, two, type(saved["nested"][1]).__name__) == (1, 2, "Pair")
+    for tensor in (first, second, deep["deep"][0]):
+        torch.testing.assert_close(tensor, torch.zeros(4))
+    assert saved["python_random"] == checkpoint["python_random"]
 
 
 class _StuckStore(BackupStore):

@@ -105,7 +105,9 @@ def test_preempted_at_an_epochs_end_by_a_run_that_resumed_mid_epoch_the_next_run
     (those of a run restored after an epoch-end restore started at 0): before, epoch 1 was trained again from there."""
     spec = {"devices": 2, "max_epochs": 3, "backup": {"every_n_train_steps": None, "exit_code": EXIT_CODE}}
     train(tmp_path, "ref", spec)
-    for attempt, step in enumerate((5, 9, 11)):  # each SIGTERM lands as that step starts: backups at 6, 10 and 12
+    # Each SIGTERM lands as step n + 1 starts; the ranks agree on it at that step's end and back up a step later:
+    # backups at 6, 10 and 12.
+    for attempt, step in enumerate((4, 8, 10)):
         train(tmp_path, "cut", {**spec, "signal_at_step": step, "attempt": attempt}, expect=EXIT_CODE)
     resumed = train(tmp_path, "cut", {**spec, "attempt": 3})
     assert resumed["restored_from"].endswith("backup-step000000012.ckpt")
