@@ -34,7 +34,7 @@ from ds_lightning.testing import netns
 MODEL_DEFAULTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "digits": (
         {"steps": 5, "warmup": 2, "acc_steps": 60, "batch_size": 32, "powersgd_ranks": [1, 4]}
-        | {"parts": ["compression", "ps", "balance"]},
+        | {"parts": ["compression", "ps", "balance", "hierarchical"]},
         {"steps": 2, "warmup": 1, "acc_steps": 6},
     ),
     "gpt": (

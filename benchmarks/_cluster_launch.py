@@ -123,6 +123,7 @@ def launch(
     try:
         records = tmp / "records"
         records.mkdir()
+        ranks = WORKERS * spec.get("devices", 1)  # every training process writes a record
         tf_cluster, tasks = _tf_config(cluster, spec.get("with_ps", False), free_port())
         spec_path = tmp / "spec.json"
         spec_path.write_text(json.dumps({**spec, "configs": configs, "records": str(records)}))
@@ -151,9 +152,7 @@ def launch(
         reason = None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
-            finished = sum(
-                all((records / f"{c['name']}.rank{r}.json").exists() for r in range(WORKERS)) for c in configs
-            )
+            finished = sum(all((records / f"{c['name']}.rank{r}.json").exists() for r in range(ranks)) for c in configs)
             if finished > done:
                 done, progress = finished, now
             if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
@@ -173,13 +172,13 @@ def launch(
         texts = [log.read_text(errors="replace") for log in logs]
         result: dict[str, Any] = {"launch_s": time.monotonic() - start, "exit_codes": rcs, "records": {}}
         for config in configs:
-            ranks = {}
-            for rank in range(WORKERS):
+            found = {}
+            for rank in range(ranks):
                 path = records / f"{config['name']}.rank{rank}.json"
                 if path.exists():
-                    ranks[rank] = json.loads(path.read_text())
-            if len(ranks) == WORKERS:
-                result["records"][config["name"]] = ranks
+                    found[rank] = json.loads(path.read_text())
+            if len(found) == ranks:
+                result["records"][config["name"]] = found
         imported = [json.loads(p.read_text())["imported_at"] for p in records.glob("started.*")]
         result["import_s"] = max(imported) - wall_start if imported else None
         if len(result["records"]) < len(configs):

@@ -59,8 +59,12 @@ class Clock(StepTimer):
     """The harness's step and epoch clock, stopped once a server's update budget is spent; counts this task's samples
     and notes its compute time when a balancer runs."""
 
-    def __init__(self, warmup: int) -> None:
+    def __init__(self, warmup: int, interface: str | None = None) -> None:
         super().__init__(warmup)
+        # The host's link counter (read by each host's local rank 0): what crossed between hosts.
+        self.tx_path = Path(f"/sys/class/net/{interface}/statistics/tx_bytes") if interface else None
+        self.tx_at_warmup: int | None = None
+        self.tx_last: int | None = None
         self.bytes_at_warmup: float | None = None
         self.compute_ms: list[float] = []
         self.sizes: list[int] = []
@@ -74,6 +78,10 @@ class Clock(StepTimer):
         launched = getattr(trainer.strategy, "last_bucket_time", 0.0)
         self.compute_ms.append(1000 * ((launched if launched > self._start else end) - self._start))
         self.sizes.append(int(batch[0].shape[0]))
+        if self.tx_path is not None and trainer.local_rank == 0 and len(self.step_ms) >= self.warmup:
+            self.tx_last = int(self.tx_path.read_text())
+            if len(self.step_ms) == self.warmup:
+                self.tx_at_warmup = self.tx_last
         if len(self.step_ms) == self.warmup and hasattr(trainer.strategy, "comm_bytes_per_step"):
             self.bytes_at_warmup = float(trainer.strategy.comm_bytes_per_step)
 
@@ -129,6 +137,7 @@ def _strategy(spec: dict[str, Any]) -> Any:
             gradient_compression=spec.get("compression", "none"),
             powersgd_rank=spec.get("powersgd_rank", 2),
             powersgd_start_iter=spec.get("powersgd_start_iter", 10),
+            hierarchical=spec.get("hierarchical", "auto"),
             timeout=timeout,
         )
     # Equal samples with ds_mirrored's `steps` steps per worker: under max_staleness=0 one server update takes a batch
@@ -144,7 +153,7 @@ def fit_one(spec: dict[str, Any], data: Source) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(spec["seed"], verbose=False)
     kind = spec["kind"]
-    clock = Clock(spec.get("warmup", 0))
+    clock = Clock(spec.get("warmup", 0), spec.get("interface"))
     callbacks: list[Callback] = [clock]
     balancer = None
     if kind == "balance":
@@ -159,7 +168,7 @@ def fit_one(spec: dict[str, Any], data: Source) -> None:
         limits = {"max_epochs": 100_000}  # the update budget ends the run, not the epochs
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=spec.get("devices", 1),
         strategy=_strategy(spec),
         logger=False,
         enable_checkpointing=False,
@@ -201,7 +210,11 @@ def fit_one(spec: dict[str, Any], data: Source) -> None:
         "params": sum(p.numel() for p in model.parameters()),
         # Tells runs apart whose accuracy happens to coincide (same seed and data; only the gradients' path differs).
         "param_checksum": float(sum(p.detach().double().abs().sum() for p in model.parameters())),
+        "local_rank": trainer.local_rank,
+        "tx_timed_bytes": None if clock.tx_last is None else clock.tx_last - (clock.tx_at_warmup or 0),
     }
+    if rank == 0 and spec.get("params_dir"):  # for the parity of two runs that differ only in the gradients' path
+        torch.save(model.state_dict(), Path(spec["params_dir"], f"{spec['name']}.pt"))
     if hasattr(strategy, "comm_bytes_per_step"):
         record["uncompressed_bytes_per_step"] = float(strategy.uncompressed_bytes_per_step)
         record["comm_bytes_per_step"] = float(strategy.comm_bytes_per_step)  # mean over every step, warm-up included

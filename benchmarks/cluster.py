@@ -29,7 +29,12 @@ without ``netem``, where a delay cannot be emulated). Every process runs 1 threa
    ``--global-batch``, ``DynamicLoadBalancer(interval=0)`` (equal split) against ``interval=--interval``; rank 0's
    epoch time (median over the timed epochs). The balancer times compute, not the wire.
 
-Parts 2 and 3 always train the digits MLP; with ``--model gpt`` they run only when ``--parts`` names them (on the GPT
+4. **Two-level all-reduce (``hierarchical``) against the flat ring**, 2 hosts x 2 processes (one TF_CONFIG task per
+   host with ``Trainer(devices=2)``), both hosts' links at ``--hier-rate`` (100 Mbit/s), the digits MLP
+   ``--hier-hidden`` (64-1024-1024-10), uncompressed and fp16: inter-host bytes per step read from the hosts' veths,
+   rank 0's median step, and the final parameters against the flat ring's (``_cluster_hierarchical.py``).
+
+Parts 2, 3 and 4 always train the digits MLP; with ``--model gpt`` they run only when ``--parts`` names them (on the GPT
 they are measured by ``parameter_server.py`` and ``load_balance.py``). Results of ``--model gpt`` go to
 ``results/cluster_gpt.*``.
 
@@ -47,7 +52,8 @@ The launching and link plumbing is in ``_cluster_launch.py``, part 1 in ``_clust
                                  [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
                                  [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--ps-steps 50]
                                  [--ps-staleness none] [--balance-epochs 5] [--balance-warmup-epochs 3]
-                                 [--global-batch 512] [--interval 3] [--parts compression ps balance]
+                                 [--global-batch 512] [--interval 3] [--parts compression ps balance hierarchical]
+                                 [--hier-rate 100] [--hier-steps 8] [--hier-hidden 1024 1024]
                                  [--timeout 240] [--dist-timeout 120]
 """
 
@@ -73,6 +79,14 @@ from benchmarks._cluster_compression import (
     summarise_compression,
     tokens_per_step,
     verdict,
+)
+from benchmarks._cluster_hierarchical import add_options as add_hierarchical_options
+from benchmarks._cluster_hierarchical import (
+    hierarchical_configs,
+    hierarchical_markdown,
+    plot_hierarchical,
+    run_hierarchical_round,
+    summarise_hierarchical,
 )
 from benchmarks._cluster_launch import LAUNCHES, WORKERS, probe_link, rotated, run_configs, shape_links
 from benchmarks._cluster_report import (
@@ -235,8 +249,8 @@ class Cluster(harness.Benchmark):
     description = __doc__
     models = ("digits", "gpt")
     # Part 1's steps, batch, PowerSGD ranks and the parts depend on the workload (_cluster_compression.MODEL_DEFAULTS).
-    defaults = {"repeats": 3, "ps_steps": 50, "balance_epochs": 5, "balance_warmup_epochs": 3}
-    quick = {"repeats": 1, "ps_steps": 8, "balance_epochs": 1, "balance_warmup_epochs": 1}
+    defaults = {"repeats": 3, "ps_steps": 50, "balance_epochs": 5, "balance_warmup_epochs": 3, "hier_steps": 8}
+    quick = {"repeats": 1, "ps_steps": 8, "balance_epochs": 1, "balance_warmup_epochs": 1, "hier_steps": 2}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
         add = parser.add_argument
@@ -258,10 +272,11 @@ class Cluster(harness.Benchmark):
         add(
             "--parts",
             nargs="+",
-            choices=["compression", "ps", "balance"],
+            choices=["compression", "ps", "balance", "hierarchical"],
             default=None,
-            help="parts to run (digits: compression ps balance; GPT: compression)",
+            help="parts to run (digits: compression ps balance hierarchical; GPT: compression)",
         )
+        add_hierarchical_options(parser)
         add("--timeout", type=float, default=240.0, help="seconds one configuration may take (240)")
         add("--dist-timeout", type=int, default=120, help="seconds any collective or server reply waits")
         _workloads.add_options(parser)
@@ -282,6 +297,7 @@ class Cluster(harness.Benchmark):
             "compression": {link["key"]: {n: [] for n in comp_names} for link in links_of(opts.model)},
             "ps": {c["name"]: [] for c in ps_configs(opts)},
             "balance": {EQUAL: [], BALANCED: []},
+            "hierarchical": {c["name"]: [] for c in hierarchical_configs()},
         }
         setup: dict[str, Any] = {"links": {}, "unsupported": {}, "probes": {}}
         accuracy: dict[str, Any] = {}
@@ -301,6 +317,8 @@ class Cluster(harness.Benchmark):
                     run_compression_round(cluster, r, opts, raw["compression"], setup)
                 if "ps" in opts.parts or "balance" in opts.parts:
                     run_uneven_round(cluster, r, opts, raw, setup)
+                if "hierarchical" in opts.parts:
+                    run_hierarchical_round(cluster, r, opts, raw["hierarchical"])
             if "compression" in opts.parts:
                 accuracy = run_accuracy(cluster, opts)
         params = (
@@ -330,6 +348,7 @@ class Cluster(harness.Benchmark):
             "compression": comp,
             "ps": summarise_ps(raw["ps"]) if "ps" in parts else None,
             "balance": summarise_balance(raw["balance"]) if "balance" in parts else None,
+            "hierarchical": summarise_hierarchical(raw["hierarchical"]) if "hierarchical" in parts else None,
             "targets": targets,
         }
         out["notes"] = notes(self.view({**data, "summary": out}))
@@ -342,12 +361,20 @@ class Cluster(harness.Benchmark):
 
     def report(self, data: dict[str, Any]) -> list[str]:
         view = self.view(data)
-        return markdown(view, gpt_markdown(view) if is_gpt(view) and view.get("compression") else None)
+        lines = markdown(view, gpt_markdown(view) if is_gpt(view) and view.get("compression") else None)
+        if view.get("hierarchical"):
+            lines += hierarchical_markdown(view["hierarchical"], data["settings"])
+        return lines
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
+        stem = harness.stem(self, data["settings"].get("model"))
+        path = out / f"{stem}.png"
         plot(self.view(data), path)
-        return [path]
+        paths = [path]
+        if data["summary"].get("hierarchical"):
+            paths.append(out / f"{stem}_hierarchical.png")
+            plot_hierarchical(data["summary"]["hierarchical"], paths[-1])
+        return paths
 
 
 if __name__ == "__main__":

@@ -1,0 +1,59 @@
+"""The cluster benchmark's part 4 (two-level all-reduce vs the flat ring): its reading, pairing and report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from benchmarks._cluster_hierarchical import hierarchical_markdown, merge_hierarchical, summarise_hierarchical
+
+
+def _rank(local_rank: int, tx: int | None, steps: list[float]) -> dict[str, Any]:
+    return {"local_rank": local_rank, "tx_timed_bytes": tx, "step_ms": steps, "param_checksum": 1.0}
+
+
+def test_a_runs_bytes_are_both_hosts_veth_bytes_over_the_timed_steps():
+    ranks = {
+        0: _rank(0, 3_000, [900.0, 100.0, 30.0, 10.0, 20.0]),
+        1: _rank(1, None, [900.0, 1.0, 1.0, 1.0, 1.0]),  # not a host's leader: reads no counter
+        2: _rank(0, 5_000, [900.0, 1.0, 1.0, 1.0, 1.0]),
+        3: _rank(1, None, [900.0, 1.0, 1.0, 1.0, 1.0]),
+    }
+    reading = merge_hierarchical(ranks, warmup=1)
+    assert reading["steps"] == 4
+    assert reading["step_ms"] == pytest.approx(25.0)  # rank 0's median over its timed steps only
+    assert reading["inter_host_bytes_per_step"] == pytest.approx(8_000 / 4)
+    assert reading["hosts"] == 2
+
+
+def _run(repeat: int, step_ms: float, mb: float, diff: float | None = None) -> dict[str, Any]:
+    run = {"repeat": repeat, "step_ms": step_ms, "inter_host_bytes_per_step": mb * 1e6}
+    if diff is not None:
+        run["max_abs_diff_vs_flat"] = diff
+    return run
+
+
+def test_ratios_are_paired_by_repeat_and_judged_against_the_targets():
+    raw = {
+        "flat": [_run(0, 300.0, 6.0), _run(1, 600.0, 6.0)],
+        "two_level": [_run(1, 300.0, 4.5, 2e-7), _run(0, 150.0, 2.4, 1e-6)],
+        "flat_fp16": [_run(0, 200.0, 3.0)],
+        "two_level_fp16": [{"repeat": 0, "error": "timed out"}],
+    }
+    summary = summarise_hierarchical(raw)
+    pair = summary["pairs"]["two_level"]
+    # Repeat 0: 150 vs 300 ms, 2.4 vs 6 MB; repeat 1: 300 vs 600 ms, 4.5 vs 6 MB (not crossed between repeats).
+    assert pair["speedup"]["runs"] == [2.0, 2.0]
+    assert sorted(pair["bytes_ratio"]["runs"]) == pytest.approx([0.4, 0.75])
+    assert pair["bytes_met"] is False  # the median, 0.575, is above 0.55
+    assert pair["speedup_met"] is True
+    assert pair["max_abs_diff"] == 1e-6 and pair["parity_met"] is True
+    failed = summary["pairs"]["two_level_fp16"]
+    assert failed["speedup"] is None and failed["speedup_met"] is None and failed["parity_met"] is None
+    assert summary["configs"]["two_level_fp16"]["failed"] == 1
+    text = "\n".join(hierarchical_markdown(summary, {"hier_rate": 100.0, "hier_hidden": [1024, 1024]}))
+    row = "| two_level | 225.0 [150.0 - 300.0] | 3.45 [2.40 - 4.50] | 0.575 [0.400 - 0.750] | 2.000 [2.000 - 2.000] |"
+    assert row in text
+    assert "speed-up 2.000 [2.000 - 2.000] (target >= 1.5: met)" in text
+    assert "**two_level_fp16 vs flat_fp16:** bytes - (target <= 0.55: not measured)" in text
