@@ -348,9 +348,10 @@ class Cluster(harness.Benchmark):
             "compression": comp,
             "ps": summarise_ps(raw["ps"]) if "ps" in parts else None,
             "balance": summarise_balance(raw["balance"]) if "balance" in parts else None,
-            "hierarchical": summarise_hierarchical(raw["hierarchical"]) if "hierarchical" in parts else None,
             "targets": targets,
         }
+        if "hierarchical" in parts:  # results from before part 4 keep their summary
+            out["hierarchical"] = summarise_hierarchical(raw["hierarchical"])
         out["notes"] = notes(self.view({**data, "summary": out}))
         return out
 
@@ -361,18 +362,35 @@ class Cluster(harness.Benchmark):
 
     def report(self, data: dict[str, Any]) -> list[str]:
         view = self.view(data)
-        lines = markdown(view, gpt_markdown(view) if is_gpt(view) and view.get("compression") else None)
+        if view["parts"] == ["hierarchical"]:
+            probes = ", ".join(f"{k}: {v:.0f} Mbit/s" for k, v in data["setup"]["probes"].items() if v)
+            lines = [
+                "# Two-level all-reduce in the network-namespace cluster (cluster benchmark, part 4)",
+                "",
+                f"Commit {data['package'].get('commit', '?')}; qdisc {data['setup'].get('qdisc_kind', '?')}; measured"
+                f" TCP throughput host 1 -> host 0: {probes}. {view['repeats']} interleaved repeat(s); median"
+                f" [min - max] over repeats. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine.",
+            ]
+        else:
+            lines = markdown(view, gpt_markdown(view) if is_gpt(view) and view.get("compression") else None)
         if view.get("hierarchical"):
             lines += hierarchical_markdown(view["hierarchical"], data["settings"])
         return lines
 
+    def file_stem(self, settings: dict[str, Any]) -> str:
+        # Part 4 run on its own keeps parts 1-3's results files.
+        if settings.get("parts") == ["hierarchical"]:
+            return f"{self.name}_hierarchical"
+        return super().file_stem(settings)
+
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        stem = harness.stem(self, data["settings"].get("model"))
-        path = out / f"{stem}.png"
-        plot(self.view(data), path)
-        paths = [path]
+        stem = self.file_stem(data["settings"])
+        paths = []
+        if set(data["settings"]["parts"]) - {"hierarchical"}:
+            paths.append(out / f"{stem}.png")
+            plot(self.view(data), paths[-1])
         if data["summary"].get("hierarchical"):
-            paths.append(out / f"{stem}_hierarchical.png")
+            paths.append(out / f"{self.name}_hierarchical.png")
             plot_hierarchical(data["summary"]["hierarchical"], paths[-1])
         return paths
 

@@ -76,6 +76,10 @@ class Benchmark:
         """Write the charts into ``out``; the paths written."""
         return []
 
+    def file_stem(self, settings: dict[str, Any]) -> str:
+        """The results' file stem for a run with these settings (:func:`stem`, unless a subclass says otherwise)."""
+        return stem(self, settings.get("model"))
+
 
 def parser(bench: Benchmark) -> argparse.ArgumentParser:
     """The shared options, then the benchmark's own."""
@@ -131,7 +135,7 @@ def resolve(bench: Benchmark, opts: argparse.Namespace) -> argparse.Namespace:
 def write(bench: Benchmark, data: dict[str, Any], out: Path, json_too: bool = True) -> list[Path]:
     """Summarise, then write the JSON (unless re-rendering), the markdown (printed) and the charts."""
     data["summary"] = bench.summarise(data)
-    name = stem(bench, data.get("settings", {}).get("model"))
+    name = bench.file_stem(data.get("settings", {}))
     written = []
     if json_too:
         write_json(out / f"{name}.json", data)
@@ -144,7 +148,7 @@ def main(bench: Benchmark, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse the shared command line, then run and write, or (``--render``) re-render; the data written."""
     opts = resolve(bench, parser(bench).parse_args(argv))
     if opts.render is not None:
-        data = read_json(Path(opts.render) if opts.render else opts.out / f"{stem(bench, opts.model)}.json")
+        data = read_json(Path(opts.render) if opts.render else opts.out / f"{bench.file_stem(vars(opts))}.json")
         written = write(bench, data, opts.out, json_too=False)
         print(f"re-rendered {', '.join(p.name for p in written)} in {opts.out}", flush=True)
         return data

@@ -29,8 +29,8 @@ def _opts(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ((), (5, 2, 60, 32, [1, 4], ["compression", "ps", "balance"], 3)),
-        (("--quick",), (2, 1, 6, 32, [1, 4], ["compression", "ps", "balance"], 1)),
+        ((), (5, 2, 60, 32, [1, 4], ["compression", "ps", "balance", "hierarchical"], 3)),
+        (("--quick",), (2, 1, 6, 32, [1, 4], ["compression", "ps", "balance", "hierarchical"], 1)),
         (("--model", "gpt"), (10, 3, 200, 8, [1, 4, 16], ["compression"], 3)),
         (("--model", "gpt", "--quick"), (2, 1, 6, 8, [1, 4, 16], ["compression"], 1)),
         (

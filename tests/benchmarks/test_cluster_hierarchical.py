@@ -42,14 +42,14 @@ def test_ratios_are_paired_by_repeat_and_judged_against_the_targets():
         "two_level_fp16": [{"repeat": 0, "error": "timed out"}],
     }
     summary = summarise_hierarchical(raw)
-    pair = summary["pairs"]["two_level"]
+    pair = summary["pairs"]["two_level/flat"]
     # Repeat 0: 150 vs 300 ms, 2.4 vs 6 MB; repeat 1: 300 vs 600 ms, 4.5 vs 6 MB (not crossed between repeats).
     assert pair["speedup"]["runs"] == [2.0, 2.0]
     assert sorted(pair["bytes_ratio"]["runs"]) == pytest.approx([0.4, 0.75])
     assert pair["bytes_met"] is False  # the median, 0.575, is above 0.55
     assert pair["speedup_met"] is True
     assert pair["max_abs_diff"] == 1e-6 and pair["parity_met"] is True
-    failed = summary["pairs"]["two_level_fp16"]
+    failed = summary["pairs"]["two_level_fp16/flat_fp16"]
     assert failed["speedup"] is None and failed["speedup_met"] is None and failed["parity_met"] is None
     assert summary["configs"]["two_level_fp16"]["failed"] == 1
     text = "\n".join(hierarchical_markdown(summary, {"hier_rate": 100.0, "hier_hidden": [1024, 1024]}))
@@ -57,3 +57,4 @@ def test_ratios_are_paired_by_repeat_and_judged_against_the_targets():
     assert row in text
     assert "speed-up 2.000 [2.000 - 2.000] (target >= 1.5: met)" in text
     assert "**two_level_fp16 vs flat_fp16:** bytes - (target <= 0.55: not measured)" in text
+    assert summary["pairs"]["two_level_fp16/flat"]["max_abs_diff"] is None  # other gradients: no parity to judge
