@@ -150,7 +150,7 @@ def report(data: dict[str, Any]) -> list[str]:
     return out + (["", "Failed runs:", *(f"- {f}" for f in failed)] if failed else [])
 
 
-def plot(data: dict[str, Any], out: Path) -> list[Path]:
+def plot(data: dict[str, Any], out: Path, stem: str = "faults") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,7 +207,7 @@ def plot(data: dict[str, Any], out: Path) -> list[Path]:
     if rec:
         ax2.legend(fontsize=8)
     fig.tight_layout()
-    path = out / "faults.png"
+    path = out / f"{stem}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]

@@ -323,11 +323,15 @@ class Faults(harness.Benchmark):
             }
         return {"arms": s, "target": target}
 
+    def file_stem(self, settings: dict[str, Any]) -> str:
+        # The overhead part re-run on its own keeps the full run's files.
+        return f"{self.name}_overhead" if settings.get("parts") == ["overhead"] else super().file_stem(settings)
+
     def report(self, data: dict[str, Any]) -> list[str]:
         return report(data)
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        return plot(data, out)
+        return plot(data, out, self.file_stem(data["settings"]))
 
 
 def _timed_steps(steps: int, backup: dict[str, Any] | None) -> int:
