@@ -8,6 +8,12 @@ from benchmarks import harness
 from benchmarks.harness import fmt
 from benchmarks.memory import OPTIMIZERS
 
+QUICK = (
+    "**A `--quick` smoke run** (1 repeat, a few steps): the bytes and the optimizer state are what a full run gives"
+    " (they do not depend on the machine's load), the parity is after these few steps only, and the step times are"
+    " not a measurement."
+)
+
 
 def _parity(v: dict[str, Any] | None) -> str:
     """The largest difference over the repeats (``-`` for none)."""
@@ -63,6 +69,7 @@ def report(data: dict[str, Any]) -> list[str]:
         f" {OPTIMIZERS.get(model, '?')}; {f'{params:,}' if params else '?'} parameters; batch {batch} per process;"
         f" {st['warmup']} warm-up + {st['steps']} timed steps per run; {st['repeats']} interleaved repeat(s)."
         " Median [min - max] over repeats; each ratio is engine / `ddp` of the same process count and repeat.",
+        *(["", QUICK] if st.get("quick") else []),
         "",
         *harness.markdown_table(
             [
