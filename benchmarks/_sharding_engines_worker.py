@@ -1,0 +1,206 @@
+"""One sharding-engines run: a plain torch training loop on N CPU processes under one engine.
+
+Started by ``benchmarks/sharding_engines.py`` with a JSON spec (``procs``, ``engine``, the ``"workload"``: the digits
+MLP under Adam, or the GPT under AdamW; ``benchmarks/_workloads.py``). No Lightning: ``torch.multiprocessing`` starts
+the ranks (gloo, 1 thread each), and each trains the same batches from the same seed under one engine:
+
+- ``ddp``: ``DistributedDataParallel`` and the whole optimizer on every rank;
+- ``zero``: ``DistributedDataParallel`` and torch's ``ZeroRedundancyOptimizer``, wrapped exactly as
+  ``ds_lightning.sharding.shard_optimizer`` wraps it;
+- ``fsdp``: FSDP2, ``fully_shard(reshard_after_forward=False)`` on every transformer block (the GPT) or linear layer
+  (the MLP), then on the root, and the optimizer over the sharded parameters.
+
+At the end every rank reads its figures (optimizer-state bytes, counted bytes sent per step, peak RSS); rank 0
+gathers them (a collective every rank joins) and writes ``result.json`` with its step times, and, when the spec names a
+``params_path``, the final parameters (whole, flattened in ``parameters()`` order) for the parity check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import resource
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import _workloads
+from benchmarks._memory_worker import broadcast_bytes
+from ds_lightning.sharding import shard_optimizer
+
+ENGINES = ("ddp", "zero", "fsdp")
+
+
+def make_optimizer(model_name: str, params: Any) -> torch.optim.Optimizer:
+    """Adam (digits) or AdamW (the GPT), as the memory and mirrored benchmarks configure them."""
+    if model_name == "gpt":
+        return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def fsdp_units(net: nn.Sequential) -> list[nn.Module]:
+    """The modules ``fully_shard`` wraps before the root: the GPT's blocks, or the MLP's linear layers."""
+    blocks = [m for m in net if type(m).__name__ == "_Block"]
+    return blocks or [m for m in net if isinstance(m, nn.Linear)]
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer-state tensors this rank holds: its shard of a DTensor, its partition under ZeRO."""
+    state = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
+    total = 0
+    for per_param in state.values():
+        for value in per_param.values():
+            if isinstance(value, DTensor):
+                value = value.to_local()
+            if isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+    return total
+
+
+def padded_shard_bytes(shape: torch.Size, element_size: int, world: int) -> int:
+    """Bytes of one rank's FSDP2 shard of a parameter: dim 0 padded up to a multiple of ``world``, split evenly."""
+    rows = math.ceil(shape[0] / world) if len(shape) else 1
+    return rows * math.prod(shape[1:]) * element_size
+
+
+def fsdp_bytes(params: list[torch.Tensor], world: int) -> tuple[int, int]:
+    """Bytes this rank hands per step to FSDP2's all-gathers and reduce-scatters: ``(all-gather, reduce-scatter)``.
+
+    With ``reshard_after_forward=False`` each group's parameters are all-gathered once per step (in the forward; they
+    stay whole through the backward) and its gradients reduce-scattered once (in the backward). A rank's all-gather
+    input is its padded shard of every parameter; its reduce-scatter input is every gradient whole, padded (``world``
+    padded shards). Counted from the sharded parameters' global shapes; not a measurement.
+    """
+    shard = sum(padded_shard_bytes(p.shape, p.element_size(), world) for p in params if p.requires_grad)
+    return shard, world * shard
+
+
+def _batches(workload: _workloads.Workload, spec: dict[str, Any], rank: int):
+    sampler = DistributedSampler(workload.train_set, spec["procs"], rank, shuffle=True, seed=0, drop_last=True)
+    loader = DataLoader(workload.train_set, batch_size=spec["batch_size"], sampler=sampler, drop_last=True)
+    epoch = 0
+    while True:
+        sampler.set_epoch(epoch)
+        yield from loader
+        epoch += 1
+
+
+def _wrap(engine: str, workload: _workloads.Workload, model_name: str, world: int):
+    """The module to call, the optimizer, and this rank's counted bytes per step (a dict)."""
+    net = workload.net
+    trainable = [p for p in net.parameters() if p.requires_grad]
+    grad = sum(p.numel() * p.element_size() for p in trainable)
+    if engine == "fsdp":
+        for unit in fsdp_units(net):
+            fully_shard(unit, reshard_after_forward=False)
+        fully_shard(net, reshard_after_forward=False)
+        gather, scatter = fsdp_bytes(list(net.parameters()), world)
+        sent = {"allreduce_bytes": 0, "broadcast_bytes": 0, "allgather_bytes": gather, "reducescatter_bytes": scatter}
+        return net, make_optimizer(model_name, net.parameters()), sent
+    module = DistributedDataParallel(net)
+    optimizer = make_optimizer(model_name, net.parameters())
+    bcast = 0
+    if engine == "zero":
+        optimizer = shard_optimizer(optimizer)
+        bcast = broadcast_bytes(optimizer._partition_parameters(), bool(optimizer.parameters_as_bucket_view))
+        bcast = bcast[dist.get_rank()]
+    sent = {"allreduce_bytes": grad, "broadcast_bytes": bcast, "allgather_bytes": 0, "reducescatter_bytes": 0}
+    return module, optimizer, sent
+
+
+def train(rank: int, spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """One rank: join the group, train ``warmup + steps`` steps under the spec's engine, report (rank 0 writes).
+
+    Returns the trained module and its optimizer, for a caller that must keep them alive (see :func:`_rank`).
+    """
+    torch.set_num_threads(1)
+    world = spec["procs"]
+    timeout = datetime.timedelta(seconds=spec.get("timeout", 300))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    try:
+        model_name = spec["workload"]["model"]
+        workload = _workloads.build(spec["workload"], spec["hidden"])
+        module, optimizer, sent = _wrap(spec["engine"], workload, model_name, world)
+        torch.manual_seed(1000 + rank)  # dropout, if any: the same stream per rank in every engine
+        batches = _batches(workload, spec, rank)
+        step_ms = []
+        for _ in range(spec["warmup"] + spec["steps"]):
+            x, y = next(batches)
+            start = time.perf_counter()
+            optimizer.zero_grad(set_to_none=True)
+            workload.loss(module(x), y).backward()
+            optimizer.step()
+            step_ms.append((time.perf_counter() - start) * 1000)
+        params = [p.full_tensor() if isinstance(p, DTensor) else p for p in workload.net.parameters()]
+        mine = {
+            "rank": rank,
+            "optimizer_class": type(optimizer).__name__,
+            "state_bytes": state_bytes(optimizer),
+            **sent,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
+        }
+        ranks: list[Any] = [None] * world
+        dist.all_gather_object(ranks, mine)
+        if rank == 0:
+            timed = step_ms[spec["warmup"] :]
+            out = {
+                "median_step_ms": statistics.median(timed),
+                "step_ms": timed,
+                "ranks": ranks,
+                "parameters": workload.parameters,
+            }
+            Path(spec["out_dir"], "result.json").write_text(json.dumps(out))
+            if spec.get("params_path"):
+                torch.save(torch.cat([p.detach().flatten() for p in params]), spec["params_path"])
+        dist.barrier()
+        return module, optimizer
+    finally:
+        dist.destroy_process_group()
+
+
+def _rank(rank: int, spec: dict[str, Any]) -> None:
+    """A spawned rank: :func:`train`, then leave at once.
+
+    Freeing DDP's reducer, the last owner of a destroyed gloo group, can deadlock (the group's destructor joins its
+    gloo thread while holding the GIL, and that thread waits for the GIL to free a finished all-gather; seen at 4
+    ranks), so a rank keeps what :func:`train` returns and exits without teardown once its figures are written; an
+    error still exits non-zero, with its traceback.
+    """
+    code = 1
+    try:
+        kept = train(rank, spec)  # noqa: F841  (alive until the exit)
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    if spec["engine"] not in ENGINES:
+        raise ValueError(f"engine={spec['engine']!r}: choose one of {ENGINES}")
+    mp.start_processes(_rank, args=(spec,), nprocs=spec["procs"], start_method="spawn")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
