@@ -107,7 +107,7 @@ def probe_link(
     for nbytes in sizes:
         tensor = torch.zeros(nbytes // 4, device=device)
         times.append(_median_seconds(lambda t=tensor: dist.all_reduce(t, group=group), repeats))
-    half = torch.zeros(max(sizes) // 2, dtype=torch.float16, device=device)
+    half = torch.zeros(max(sizes) // 4, dtype=torch.float16, device=device)  # the largest probe's numbers, halved
     half_s = _median_seconds(lambda: dist.all_reduce(half, group=group), repeats)
     names = sorted(compress_s)
     agreed = torch.tensor([*times, half_s, *(compress_s[n] for n in names)], dtype=torch.float64, device=device)
