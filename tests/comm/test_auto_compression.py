@@ -62,12 +62,23 @@ def test_compute_is_the_step_minus_the_running_choices_communication():
     assert made.predicted_s["none"] == pytest.approx(step_s)
 
 
-def test_a_small_gain_keeps_the_current_choice():
-    # A tiny model on a fast link: fp16 saves a sliver of a long step, under the margin, so nothing changes.
+def test_compression_must_save_the_margin_and_none_returns_when_it_does_not():
+    # A tiny model on a fast link: fp16 saves a sliver of a long step, under the margin: none stays, and a running
+    # compression gives way to none as soon as the link no longer pays for it.
     tiny = Workload(gradient_bytes=40_000, powersgd_bytes=4_000, buckets=1)
-    fast = LinkFigures(2, AllReduceFit(20e-6, 3e9), AllReduceFit(20e-6, 3e9), {"fp16": 0.0, "powersgd": 0.0})
-    assert choose(fast, tiny, current="none", step_s=0.02, powersgd_allowed=True).name == "none"
-    assert choose(fast, tiny, current="powersgd", step_s=0.02, powersgd_allowed=True).name == "powersgd"
+    fast = LinkFigures(2, AllReduceFit(20e-6, 3e9), AllReduceFit(20e-6, 1e10), {"fp16": 0.0, "powersgd": 0.0})
+    made = choose(fast, tiny, current="none", step_s=0.02, powersgd_allowed=True)
+    assert made.name == "none" and made.predicted_s["fp16"] < made.predicted_s["none"], made
+    assert choose(fast, tiny, current="powersgd", step_s=0.02, powersgd_allowed=True).name == "none"
+
+
+def test_between_compressions_the_current_one_stays_unless_another_saves_the_margin():
+    # Slow link: both compressions save most of the step; PowerSGD is a little faster than fp16, not by the margin.
+    link = LinkFigures(2, AllReduceFit(1e-4, 1e7), AllReduceFit(1e-4, 1e7), {"fp16": 0.0, "powersgd": 0.0})
+    work = Workload(gradient_bytes=1_000_000, powersgd_bytes=490_000, buckets=1)
+    made = choose(link, work, current="fp16", step_s=None, powersgd_allowed=True)
+    assert made.predicted_s["powersgd"] < made.predicted_s["fp16"] and made.name == "fp16", made
+    assert choose(link, work, current="none", step_s=None, powersgd_allowed=True).name == "powersgd"
 
 
 def test_the_users_rank_is_a_floor_auto_never_lowers():

@@ -145,7 +145,11 @@ def choose(
     powersgd_allowed: bool,
     margin: float = 0.05,
 ) -> Choice:
-    """The candidate with the lowest predicted step time, keeping ``current`` unless another wins by ``margin``.
+    """The candidate with the lowest predicted step time, under two rules against noise.
+
+    A compression is chosen only if it saves more than ``margin`` of ``none``'s predicted step time: compression costs
+    accuracy, so it must earn that, and ``none`` returns as soon as no compression does (a link that got faster is
+    followed at the next decision). Between two compressions, ``current`` stays unless the other saves ``margin``.
 
     Args:
         link: the probe's figures.
@@ -153,8 +157,7 @@ def choose(
         current: the compression running now.
         step_s: the measured step time under ``current`` (``None`` before any step: compute is taken as 0).
         powersgd_allowed: whether PowerSGD's warm-up is over.
-        margin: the fraction of ``current``'s predicted step time another candidate must save; it keeps the
-            choice from flapping on noise, and keeps ``none`` where compression would gain next to nothing.
+        margin: the fraction of the predicted step time a compression must save (see above).
 
     Returns:
         The choice, with every considered candidate's predicted step time.
@@ -164,8 +167,13 @@ def choose(
     comm = {c: comm_seconds(c, link, work) for c in AUTO_CANDIDATES}
     compute = max(step_s - comm[current], 0.0) if step_s is not None else 0.0
     predicted = {c: compute + comm[c] for c in candidates}
-    incumbent = current if current in candidates else "none"
     best = min(candidates, key=lambda c: predicted[c])  # ties: the earlier (cheaper in accuracy) candidate
-    if predicted[incumbent] - predicted[best] <= margin * predicted[incumbent]:
-        best = incumbent
+    if predicted["none"] - predicted[best] <= margin * predicted["none"]:
+        best = "none"
+    elif (
+        current in candidates
+        and current not in (best, "none")
+        and predicted[current] - predicted[best] <= margin * predicted[current]
+    ):
+        best = current
     return Choice(best, predicted, compute)
