@@ -140,6 +140,11 @@ class MirroredStrategy(ClusterStrategy):
             )
         if not (isinstance(hierarchical, bool) or hierarchical == "auto"):
             raise ValueError(f"hierarchical={hierarchical!r} is not a choice: use True, False or 'auto'.")
+        if gradient_compression == "auto" and hierarchical is True:
+            raise ValueError(
+                "gradient_compression='auto' does not yet drive the two-level all-reduce that hierarchical=True asks"
+                " for: set hierarchical=False (or 'auto', flat on one host) or pick a fixed gradient_compression."
+            )
         if ddp_comm_hook is not None and hierarchical is True:
             raise ValueError(
                 f"hierarchical=True runs ds_mirrored's own two-level comm hook, but ddp_comm_hook={ddp_comm_hook!r}"

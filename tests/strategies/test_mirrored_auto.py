@@ -23,6 +23,12 @@ def test_bad_auto_interval_fails_at_construction_naming_the_value_and_the_fix(va
         MirroredStrategy(gradient_compression="auto", auto_interval=value)
 
 
+def test_auto_refuses_the_two_level_all_reduce_at_construction():
+    with pytest.raises(ValueError, match=r"gradient_compression='auto'.*hierarchical=False"):
+        MirroredStrategy(gradient_compression="auto", hierarchical=True)
+    assert MirroredStrategy(gradient_compression="auto", hierarchical=False).auto_interval == 500
+
+
 def _fit(root: Path, out: Path, extra: list[str]) -> None:
     ds_train(
         [
