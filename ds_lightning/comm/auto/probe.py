@@ -24,13 +24,18 @@ _MIN_LATENCY_S = 1e-7
 _MAX_BANDWIDTH = 1e12  # bytes/s: a flat line (noise) reads as this
 
 
-def _best_seconds(run: Callable[[], object], repeats: int) -> float:
+def _best_seconds(run: Callable[[], object], repeats: int, device: torch.device) -> float:
     # The fastest repeat: other processes' load only ever adds time, so the minimum is the steadiest estimate.
-    run()  # warm-up: connection set-up and allocation stay out of the figures
+    def timed() -> None:
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # NCCL and CUDA kernels return before the work is done
+
+    timed()  # warm-up: connection set-up and allocation stay out of the figures
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        run()
+        timed()
         times.append(time.perf_counter() - start)
     return min(times)
 
@@ -81,7 +86,10 @@ def compression_compute(
             q = matrix.t() @ p
             torch.sub(matrix, p @ q.t())  # the new error
 
-    return {"fp16": _best_seconds(cast, repeats), "powersgd": _best_seconds(powersgd, repeats) if mats else 0.0}
+    return {
+        "fp16": _best_seconds(cast, repeats, device),
+        "powersgd": _best_seconds(powersgd, repeats, device) if mats else 0.0,
+    }
 
 
 def probe_link(
@@ -107,9 +115,9 @@ def probe_link(
     times = []
     for nbytes in sizes:
         tensor = torch.zeros(nbytes // 4, device=device)
-        times.append(_best_seconds(lambda t=tensor: dist.all_reduce(t, group=group), repeats))
+        times.append(_best_seconds(lambda t=tensor: dist.all_reduce(t, group=group), repeats, device))
     half = torch.zeros(max(sizes) // 4, dtype=torch.float16, device=device)  # the largest probe's numbers, halved
-    half_s = _best_seconds(lambda: dist.all_reduce(half, group=group), repeats)
+    half_s = _best_seconds(lambda: dist.all_reduce(half, group=group), repeats, device)
     names = sorted(compress_s)
     agreed = torch.tensor([*times, half_s, *(compress_s[n] for n in names)], dtype=torch.float64, device=device)
     dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=group)
