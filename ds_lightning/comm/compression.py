@@ -18,13 +18,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from ds_lightning import _validation as check
+from ds_lightning.comm.auto import AutoState, Workload, auto_hook
+from ds_lightning.comm.auto.model import powersgd_numel
 from ds_lightning.comm.hierarchical import HierarchicalState, HostGroups, hierarchical_hook
 from ds_lightning.comm.powersgd import PowerSGDState, powersgd_hook
 from ds_lightning.comm.wire import WireLog
 
 __all__ = ["COMPRESSIONS", "CompressionName", "GradientCompressor"]
 
-CompressionName = Literal["none", "fp16", "bf16", "powersgd"]
+CompressionName = Literal["none", "fp16", "bf16", "powersgd", "auto"]
 COMPRESSIONS: tuple[str, ...] = get_args(CompressionName)
 
 
@@ -69,11 +71,16 @@ class GradientCompressor:
     """One compression setting, attached to one DDP model.
 
     Args:
-        name: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
-        powersgd_rank: PowerSGD's approximation rank (higher: more accurate, more bytes).
-        powersgd_start_iter: plain all-reduce for this many steps before PowerSGD starts.
+        name: ``"none"``, ``"fp16"``, ``"bf16"``, ``"powersgd"`` or ``"auto"`` (measure the link at set-up and every
+            ``auto_interval`` steps, and run whichever of ``none``, ``fp16`` and ``powersgd`` a cost model predicts
+            fastest; see :mod:`ds_lightning.comm.auto`).
+        powersgd_rank: PowerSGD's approximation rank (higher: more accurate, more bytes); under ``"auto"`` the rank
+            PowerSGD runs at when chosen (auto never lowers it: it is the accuracy floor).
+        powersgd_start_iter: plain all-reduce for this many steps before PowerSGD starts (under ``"auto"``: PowerSGD
+            is not chosen before).
         powersgd_min_compression_rate: matrices that would shrink less than this travel uncompressed.
         seed: seed of PowerSGD's initial projections, identical on every rank.
+        auto_interval: under ``"auto"``, gradient synchronisations between link probes.
 
     Raises:
         ValueError: for an unknown ``name`` or out-of-range option, naming the value and the fix.
@@ -87,17 +94,20 @@ class GradientCompressor:
         powersgd_start_iter: int = 10,
         powersgd_min_compression_rate: float = 2.0,
         seed: int = 0,
+        auto_interval: int = 500,
     ) -> None:
         check.choice("gradient_compression", name, COMPRESSIONS)
         check.integer("powersgd_rank", powersgd_rank, 1, "powersgd_rank=2")
         check.integer("powersgd_start_iter", powersgd_start_iter, 0, "powersgd_start_iter=10")
         check.number("powersgd_min_compression_rate", powersgd_min_compression_rate, "2.0", above=0)
+        check.integer("auto_interval", auto_interval, 1, "auto_interval=500", "steps between link probes")
         self.name = name
         self.powersgd_rank = powersgd_rank
         self.powersgd_start_iter = powersgd_start_iter
         self.powersgd_min_compression_rate = powersgd_min_compression_rate
         self.seed = seed
-        self._state: _CastState | PowerSGDState | None = None
+        self.auto_interval = auto_interval
+        self._state: _CastState | PowerSGDState | AutoState | None = None
         self._uncompressed_bytes = 0
         self.weight = 1.0  # applied to every bucket when registered with weighted=True
         self.last_bucket_time = 0.0  # perf_counter() when the last bucket's hook last started (weighted only)
@@ -127,7 +137,15 @@ class GradientCompressor:
         params = [p for p in model.parameters() if p.requires_grad]
         self._uncompressed_bytes = sum(p.numel() * p.element_size() for p in params)
         hook: Callable[[Any, dist.GradBucket], Any]
-        if self.name == "powersgd":
+        if self.name == "auto":
+            if hosts is not None:
+                raise ValueError(
+                    "gradient_compression='auto' does not yet drive the two-level all-reduce: set hierarchical=False"
+                    " (flat all-reduce, chosen compression) or pick a fixed gradient_compression."
+                )
+            self._state = hook_state = self._auto_state(model, process_group)
+            hook = auto_hook
+        elif self.name == "powersgd":
             state = PowerSGDState(
                 process_group=hosts.leaders if hosts is not None else process_group,
                 rank=self.powersgd_rank,
@@ -152,6 +170,45 @@ class GradientCompressor:
             model.register_comm_hook(hook_state, self._weighting(hook))
         elif self.name != "none" or hosts is not None:
             model.register_comm_hook(hook_state, hook)
+        if isinstance(self._state, AutoState):
+            self._state.decide(probe=True)  # at set-up, on every rank: the probe and the broadcast are collectives
+
+    def _auto_state(self, model: DistributedDataParallel, process_group: dist.ProcessGroup | None) -> AutoState:
+        params = [p for p in model.parameters() if p.requires_grad]
+        shapes = [tuple(p.shape) for p in params]
+        powersgd = PowerSGDState(
+            process_group=process_group,
+            rank=self.powersgd_rank,
+            start_iter=0,  # the auto state keeps PowerSGD off until powersgd_start_iter
+            min_compression_rate=self.powersgd_min_compression_rate,
+            seed=self.seed,
+            param_index={id(p): i for i, p in enumerate(model.parameters())},
+        )
+        cast = _CastState(process_group=process_group, wire=powersgd.wire)  # one wire log for every choice
+        matrices = []
+        for shape in shapes:
+            if len(shape) >= 2 and shape[0] > 0:
+                n, m = shape[0], int(torch.Size(shape).numel()) // shape[0]
+                r = min(n, m, self.powersgd_rank)
+                if (n + m) * r * self.powersgd_min_compression_rate < n * m:
+                    matrices.append((n, m, r))
+        numel = powersgd_numel(shapes, self.powersgd_rank, self.powersgd_min_compression_rate)
+        device = params[0].device if params else torch.device("cpu")
+        return AutoState(
+            process_group=process_group,
+            device=device,
+            hooks={"none": (cast, _allreduce_hook), "fp16": (cast, _fp16_hook), "powersgd": (powersgd, _powersgd_hook)},
+            powersgd=powersgd,
+            workload=Workload(self._uncompressed_bytes, numel * 4, buckets=1),
+            compute_matrices=matrices,
+            interval=self.auto_interval,
+            start_iter=self.powersgd_start_iter,
+        )
+
+    @property
+    def auto(self) -> AutoState | None:
+        """The auto state (choice, decisions, figures) under ``"auto"`` once registered; ``None`` otherwise."""
+        return self._state if isinstance(self._state, AutoState) else None
 
     def _weighting(self, hook: Callable[[Any, dist.GradBucket], Any]) -> Callable[[Any, dist.GradBucket], Any]:
         def weighted(state, bucket):  # unannotated: DDP checks a hook's annotations at runtime
@@ -198,7 +255,7 @@ class GradientCompressor:
     def state_dict(self) -> dict[str, Any]:
         """This rank's compression state, as tensors and plain numbers (loadable with ``weights_only=True``)."""
         out: dict[str, Any] = {"name": self.name}
-        if isinstance(self._state, PowerSGDState):
+        if isinstance(self._state, (PowerSGDState, AutoState)):
             out.update(self._state.state_dict())
         return out
 
@@ -211,5 +268,5 @@ class GradientCompressor:
         """
         if state.get("name") != self.name:
             raise ValueError(f"compression state was saved for {state.get('name')!r}, not {self.name!r}.")
-        if isinstance(self._state, PowerSGDState):
+        if isinstance(self._state, (PowerSGDState, AutoState)):
             self._state.load_state_dict(state, device=device)

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.comm.auto import AutoState
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
 from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
 from ds_lightning.data.even_batches import even_batches
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 __all__ = ["MirroredStrategy"]
 
 _CHECKPOINT_KEY = "ds_mirrored"
+_STATEFUL = ("powersgd", "auto")  # compressions whose per-rank state the checkpoint carries
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|pair closure|connection closed|connection reset", re.IGNORECASE)
 
 
@@ -67,9 +69,15 @@ class MirroredStrategy(ClusterStrategy):
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``/``"forkserver"``
             use multiprocessing (like ``ddp_spawn``).
         gradient_compression: how gradients cross the wire: ``"none"`` (DDP's all-reduce), ``"fp16"`` or ``"bf16"``
-            (half-width all-reduce) or ``"powersgd"`` (low-rank PowerSGD with error feedback, checkpointed).
-        powersgd_rank: PowerSGD's approximation rank; higher is more accurate and sends more bytes.
-        powersgd_start_iter: plain all-reduce steps before PowerSGD starts.
+            (half-width all-reduce), ``"powersgd"`` (low-rank PowerSGD with error feedback, checkpointed) or
+            ``"auto"`` (probe the link at set-up and every ``auto_interval`` steps and run whichever of ``none``,
+            ``fp16`` and ``powersgd`` a cost model predicts fastest; the choice and its figures are logged).
+        powersgd_rank: PowerSGD's approximation rank; higher is more accurate and sends more bytes. Under ``"auto"``
+            PowerSGD runs at exactly this rank: auto never lowers it, so set the lowest rank your model tolerates.
+        powersgd_start_iter: plain all-reduce steps before PowerSGD starts (under ``"auto"``: before it may be
+            chosen).
+        auto_interval: under ``gradient_compression="auto"``, steps (gradient synchronisations) between link probes
+            and re-decisions.
         bucket_cap_mb: DDP gradient bucket size in MiB.
         static_graph: tell DDP the set of used parameters never changes (enables extra optimisations).
         find_unused_parameters: let DDP detect parameters that receive no gradient in a step.
@@ -112,6 +120,7 @@ class MirroredStrategy(ClusterStrategy):
         gradient_compression: CompressionName = "none",
         powersgd_rank: int = 2,
         powersgd_start_iter: int = 10,
+        auto_interval: int = 500,
         bucket_cap_mb: float = 25.0,
         static_graph: bool = False,
         find_unused_parameters: bool = False,
@@ -131,6 +140,11 @@ class MirroredStrategy(ClusterStrategy):
             )
         if not (isinstance(hierarchical, bool) or hierarchical == "auto"):
             raise ValueError(f"hierarchical={hierarchical!r} is not a choice: use True, False or 'auto'.")
+        if gradient_compression == "auto" and hierarchical is True:
+            raise ValueError(
+                "gradient_compression='auto' does not yet drive the two-level all-reduce that hierarchical=True asks"
+                " for: set hierarchical=False (or 'auto', flat on one host) or pick a fixed gradient_compression."
+            )
         if ddp_comm_hook is not None and hierarchical is True:
             raise ValueError(
                 f"hierarchical=True runs ds_mirrored's own two-level comm hook, but ddp_comm_hook={ddp_comm_hook!r}"
@@ -145,7 +159,10 @@ class MirroredStrategy(ClusterStrategy):
         ):
             check.flag(flag_name, flag)
         self._compressor = GradientCompressor(
-            gradient_compression, powersgd_rank=powersgd_rank, powersgd_start_iter=powersgd_start_iter
+            gradient_compression,
+            powersgd_rank=powersgd_rank,
+            powersgd_start_iter=powersgd_start_iter,
+            auto_interval=auto_interval,
         )
         super().__init__(
             accelerator,
@@ -167,6 +184,7 @@ class MirroredStrategy(ClusterStrategy):
             **kwargs,
         )
         self.gradient_compression = gradient_compression
+        self.auto_interval = auto_interval
         self.even_batches = even_batches
         self.shard_optimizer_state = shard_optimizer_state
         self.hierarchical = hierarchical
@@ -228,6 +246,11 @@ class MirroredStrategy(ClusterStrategy):
         return self._compressor.last_bucket_time
 
     @property
+    def auto_compression(self) -> AutoState | None:
+        """Under ``gradient_compression="auto"``, once set up: the current choice, its decisions and figures."""
+        return self._compressor.auto
+
+    @property
     def comm_bytes_per_step(self) -> float:
         """Payload bytes this rank hands to gradient all-reduce per step under the chosen compression."""
         return self._compressor.bytes_per_step
@@ -272,7 +295,7 @@ class MirroredStrategy(ClusterStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.gradient_compression == "powersgd" and dist.is_available() and dist.is_initialized():
+        if self.gradient_compression in _STATEFUL and dist.is_available() and dist.is_initialized():
             # Error feedback differs per rank: gather every rank's state into the one consolidated file.
             states: list[Any] = [None] * self.world_size
             dist.all_gather_object(states, self._compressor.state_dict())
@@ -289,16 +312,19 @@ class MirroredStrategy(ClusterStrategy):
             load_sharded_states(self.optimizers, checkpoint["optimizer_states"])
         else:
             super().load_optimizer_state_dict(checkpoint)
-        if self.gradient_compression != "powersgd":
+        if self.gradient_compression not in _STATEFUL:
             return
         saved = checkpoint.get(_CHECKPOINT_KEY)
-        if saved is None or saved.get("gradient_compression") != "powersgd":
-            rank_zero_warn("The checkpoint holds no PowerSGD state; error feedback starts from zero.")
+        if saved is None or saved.get("gradient_compression") != self.gradient_compression:
+            rank_zero_warn(
+                f"The checkpoint holds no gradient_compression={self.gradient_compression!r} state; PowerSGD's error"
+                " feedback starts from zero (and auto from its set-up decision)."
+            )
             return
         if saved["world_size"] != self.world_size:
             rank_zero_warn(
-                f"The checkpoint's PowerSGD state is for {saved['world_size']} ranks, this run has {self.world_size};"
-                " error feedback starts from zero."
+                f"The checkpoint's compression state is for {saved['world_size']} ranks, this run has"
+                f" {self.world_size}; error feedback starts from zero."
             )
             return
         self._compressor.load_state_dict(saved["compression_states"][self.global_rank], device=self.root_device)

@@ -60,6 +60,7 @@ class RecordStrategy(Callback):
             "pg_timeout_s": strategy._timeout.total_seconds() if strategy._timeout is not None else None,
             "start_method": getattr(strategy, "_start_method", None),
             "gradient_compression": getattr(strategy, "gradient_compression", None),
+            "auto_interval": getattr(strategy, "auto_interval", None),
             "even_batches": getattr(strategy, "even_batches", None),
             "ddp_bucket_bytes_cap": getattr(model, "bucket_bytes_cap", None),
             "ddp_static_graph": getattr(model, "static_graph", None),
@@ -141,6 +142,27 @@ class RecordWire(Callback):
         }
         if trainer.is_global_zero:
             Path(self.path).write_text(json.dumps(record))
+
+
+class RecordAuto(Callback):
+    """Every rank writes, at the end of fit, the auto compression's decisions as JSON at ``{path}.rank{R}.json``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        auto = trainer.strategy.auto_compression
+        record = {
+            "interval": auto.interval,
+            "choice": auto.choice,
+            "step": auto.step,
+            "decisions": [
+                {"step": d.step, "choice": d.choice, "probed": d.probed, "predicted_s": d.predicted_s}
+                for d in auto.decisions
+            ],
+            "figures": auto.figures.as_dict() if auto.figures is not None else None,
+        }
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
 
 
 class RecordMetrics(Callback):

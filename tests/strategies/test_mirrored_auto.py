@@ -1,0 +1,97 @@
+"""ds_mirrored with gradient_compression="auto" through ds-train on real gloo processes: YAML, loopback parity with
+"none", decisions on every rank, and the auto state in the checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from ds_lightning.strategies import MirroredStrategy
+from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+
+MIRRORED = str(CONFIGS / "mirrored.yaml")
+STEPS, INTERVAL, START = 12, 4, 10
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "often", None])
+def test_bad_auto_interval_fails_at_construction_naming_the_value_and_the_fix(value):
+    with pytest.raises(ValueError, match=rf"auto_interval={value!r} must be an int >= 1.*auto_interval=500"):
+        MirroredStrategy(gradient_compression="auto", auto_interval=value)
+
+
+def test_auto_refuses_the_two_level_all_reduce_at_construction():
+    with pytest.raises(ValueError, match=r"gradient_compression='auto'.*hierarchical=False"):
+        MirroredStrategy(gradient_compression="auto", hierarchical=True)
+    assert MirroredStrategy(gradient_compression="auto", hierarchical=False).auto_interval == 500
+
+
+def _fit(root: Path, out: Path, extra: list[str]) -> None:
+    ds_train(
+        [
+            "fit",
+            f"--config={MIRRORED}",
+            *extra,
+            *quiet_trainer_args(root),
+            f"--trainer.max_steps={STEPS}",
+            "--trainer.limit_val_batches=0",
+            "--trainer.callbacks+=tests.helpers.callbacks.SaveParams",
+            f"--trainer.callbacks.path={out}",
+            "--model.hidden_sizes=[32]",
+        ]
+    )
+
+
+@pytest.mark.multiprocess
+def test_auto_from_yaml_picks_none_on_loopback_and_matches_none(tmp_path):
+    config = tmp_path / "auto.yaml"
+    config.write_text(
+        "trainer:\n  strategy:\n    class_path: ds_lightning.strategies.MirroredStrategy\n    init_args:\n"
+        f"      gradient_compression: auto\n      auto_interval: {INTERVAL}\n      powersgd_start_iter: {START}\n"
+    )
+    auto_out, none_out, record, decisions = tmp_path / "auto", tmp_path / "none", tmp_path / "r.json", tmp_path / "d"
+    _fit(
+        tmp_path / "a",
+        auto_out,
+        [
+            f"--config={config}",
+            "--trainer.callbacks+=tests.helpers.callbacks.RecordStrategy",
+            f"--trainer.callbacks.path={record}",
+            "--trainer.callbacks+=tests.helpers.callbacks.RecordAuto",
+            f"--trainer.callbacks.path={decisions}",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+        ],
+    )
+    _fit(tmp_path / "n", none_out, [])
+
+    info = json.loads(record.read_text())
+    assert info["gradient_compression"] == "auto" and info["auto_interval"] == INTERVAL, info
+    assert info["ddp_comm_hook"] == "auto_hook", info  # the one dispatching hook, registered once
+
+    ranks = [json.loads(Path(f"{decisions}.rank{r}.json").read_text()) for r in (0, 1)]
+    made, made1 = ([(d["step"], d["choice"], d["probed"]) for d in r["decisions"]] for r in ranks)
+    assert made == made1  # predictions differ (each rank times its own steps); rank 0's choice is everyone's
+    # Set-up and every INTERVAL steps a probe; at START (PowerSGD's warm-up over) a decision on the last figures.
+    assert made == [(0, "none", True), (4, "none", True), (8, "none", True), (10, "none", False)], ranks[0]
+    assert "powersgd" not in ranks[0]["decisions"][0]["predicted_s"]  # not a candidate before START
+    assert set(ranks[0]["decisions"][-1]["predicted_s"]) == {"none", "fp16", "powersgd"}
+    figures = ranks[0]["figures"]
+    assert figures["float32"]["latency_s"] > 0 and figures["float32"]["bandwidth"] > 0, figures
+
+    for rank in (0, 1):
+        auto = torch.load(f"{auto_out}.rank{rank}.pt", weights_only=True)
+        plain = torch.load(f"{none_out}.rank{rank}.pt", weights_only=True)
+        assert auto["global_step"] == plain["global_step"] == STEPS
+        for name, value in plain["state_dict"].items():
+            assert_close(auto["state_dict"][name], value, atol=1e-6, rtol=1e-6)
+
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    saved = torch.load(checkpoint, weights_only=True)["ds_mirrored"]
+    assert saved["gradient_compression"] == "auto" and saved["world_size"] == 2
+    for state in saved["compression_states"]:
+        assert state["name"] == "auto" and state["choice"] == "none" and state["step"] == STEPS
+        assert state["figures"]["world_size"] == 2
