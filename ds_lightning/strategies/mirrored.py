@@ -17,7 +17,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.constants import default_pg_timeout
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
@@ -210,7 +210,12 @@ class MirroredStrategy(ClusterStrategy):
             return
         # Lightning registers comm hooks on CUDA only; ours must work on gloo too.
         assert isinstance(self.model, DistributedDataParallel)
-        hosts = host_groups(self.hierarchical, self.node_rank, self.root_device, self._timeout)
+        setting = self.hierarchical
+        if self.gradient_compression == "auto" and setting == "auto":
+            # Auto compression drives the flat all-reduce only; hierarchical=True with it is refused at construction.
+            rank_zero_info("ds_mirrored: gradient_compression='auto' runs the flat all-reduce (no two levels).")
+            setting = False
+        hosts = host_groups(setting, self.node_rank, self.root_device, self._timeout)
         self._compressor.register(self.model, weighted=self._train_loader_factory is not None, hosts=hosts)
 
     def balance_batches(self, train_loader_factory: Callable[[Any], Any]) -> None:

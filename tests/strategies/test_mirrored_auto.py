@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
 
-from ds_lightning.strategies import MirroredStrategy
+from ds_lightning.comm.compression import GradientCompressor
+from ds_lightning.strategies import MirroredStrategy, mirrored
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
 
 MIRRORED = str(CONFIGS / "mirrored.yaml")
@@ -27,6 +30,24 @@ def test_auto_refuses_the_two_level_all_reduce_at_construction():
     with pytest.raises(ValueError, match=r"gradient_compression='auto'.*hierarchical=False"):
         MirroredStrategy(gradient_compression="auto", hierarchical=True)
     assert MirroredStrategy(gradient_compression="auto", hierarchical=False).auto_interval == 500
+
+
+@pytest.mark.parametrize(
+    ("compression", "hierarchical", "expected"), [("auto", "auto", False), ("fp16", "auto", "auto")]
+)
+def test_auto_compression_asks_for_the_flat_all_reduce_under_the_default_hierarchical(
+    monkeypatch, tmp_path, compression, hierarchical, expected
+):
+    """Checks the arguments only: the two-level path itself is tested on real processes elsewhere."""
+    asked = []
+    monkeypatch.setattr(mirrored, "host_groups", lambda setting, *args: asked.append(setting))
+    monkeypatch.setattr(GradientCompressor, "register", lambda *args, **kwargs: None)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    strategy = MirroredStrategy(gradient_compression=compression, hierarchical=hierarchical)
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.model = DistributedDataParallel(torch.nn.Linear(2, 2))
+    strategy._register_ddp_hooks()
+    assert asked == [expected]
 
 
 def _fit(root: Path, out: Path, extra: list[str]) -> None:
