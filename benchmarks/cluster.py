@@ -68,6 +68,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _workloads, harness
+from benchmarks._cluster_auto_report import auto_markdown, summarise_auto
 from benchmarks._cluster_compression import (
     compression_configs,
     gpt_markdown,
@@ -75,6 +76,7 @@ from benchmarks._cluster_compression import (
     model_defaults,
     ppl_verdict,
     run_accuracy,
+    run_auto_accuracy,
     run_compression_round,
     summarise_compression,
     tokens_per_step,
@@ -261,7 +263,16 @@ class Cluster(harness.Benchmark):
         add("--val-windows", type=int, default=64, help="GPT: validation windows of the perplexity (64)")
         add("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths (digits)")
         add("--powersgd-ranks", type=int, nargs="+", default=None, help="PowerSGD ranks (digits 1 4, GPT 1 4 16)")
-        add("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1)")
+        add("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1; auto's too)")
+        add(
+            "--auto-powersgd-rank",
+            type=int,
+            default=None,
+            help="the auto arm's powersgd_rank (digits 4, GPT 16; 0: no arm)",
+        )
+        add(
+            "--auto-interval", type=int, default=None, help="the auto arm's auto_interval (the strategy's default, 500)"
+        )
         add("--ps-hidden", type=int, nargs="+", default=[1024, 1024], help="parts 2 and 3's widths")
         add("--ps-steps", type=int, default=None, help="part 2: ds_mirrored steps per worker (50; 8)")
         add("--ps-staleness", type=_staleness, nargs="+", default=[None], help="part 2: max_staleness values (none)")
@@ -301,6 +312,7 @@ class Cluster(harness.Benchmark):
         }
         setup: dict[str, Any] = {"links": {}, "unsupported": {}, "probes": {}}
         accuracy: dict[str, Any] = {}
+        accuracy_auto: dict[str, Any] = {}
         with netns.Cluster(3) as cluster:
             setup["hosts"] = [{"name": h.name, "address": h.address} for h in cluster.hosts]
             setup["qdisc_kind"] = "netem" if netns.netem_available() else "tbf (no netem in this kernel)"
@@ -321,6 +333,7 @@ class Cluster(harness.Benchmark):
                     run_hierarchical_round(cluster, r, opts, raw["hierarchical"])
             if "compression" in opts.parts:
                 accuracy = run_accuracy(cluster, opts)
+                accuracy_auto = run_auto_accuracy(cluster, opts, setup)
         params = (
             r["params"] for runs in [accuracy, *raw["compression"].values()] for r in _flat(runs) if "params" in r
         )
@@ -329,6 +342,7 @@ class Cluster(harness.Benchmark):
             "params": next(params, None),
             "setup": setup,
             "accuracy": accuracy,
+            **({"accuracy_auto": accuracy_auto} if accuracy_auto else {}),
             "launches": LAUNCHES,
             "records": [],  # this benchmark keeps its runs by part, link and configuration in "raw"
             "raw": raw,
@@ -350,6 +364,9 @@ class Cluster(harness.Benchmark):
             "balance": summarise_balance(raw["balance"]) if "balance" in parts else None,
             "targets": targets,
         }
+        if comp is not None and any(c["compression"] == "auto" for c in data["compression_configs"]):
+            accuracy_auto = data.get("accuracy_auto") or {}
+            out["auto"] = summarise_auto(comp, raw["compression"], accuracy, accuracy_auto, data["settings"])
         if "hierarchical" in parts:  # results from before part 4 keep their summary
             out["hierarchical"] = summarise_hierarchical(raw["hierarchical"])
         out["notes"] = notes(self.view({**data, "summary": out}))
@@ -372,7 +389,8 @@ class Cluster(harness.Benchmark):
                 f" [min - max] over repeats. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine.",
             ]
         else:
-            lines = markdown(view, gpt_markdown(view) if is_gpt(view) and view.get("compression") else None)
+            part1 = gpt_markdown(view) if is_gpt(view) and view.get("compression") else None
+            lines = markdown(view, part1, auto_markdown(view))
         if view.get("hierarchical"):
             lines += hierarchical_markdown(view["hierarchical"], data["settings"])
         return lines
