@@ -21,6 +21,10 @@ without ``netem``, where a delay cannot be emulated). Every process runs 1 threa
    (``--acc-steps`` 200: 409,600 tokens per setting, same data order and initial parameters), then the validation
    perplexity of rank 0's parameters on the first ``--val-windows`` windows of TextDataModule's validation split;
    only settings within 2% of none's perplexity count, and the smallest PowerSGD rank within 2% is reported.
+   ``gradient_compression="auto"`` runs next to the fixed settings (``--auto-powersgd-rank``: digits 4, GPT 16, the
+   smallest ranks the verdict admitted; 0 drops it) and is judged at each link against the best fixed setting within
+   the verdict's bounds (target auto / best <= 1.10), its accuracy or perplexity from one ``--acc-steps`` run on each
+   shaped link (``_cluster_auto_report.py``).
 2. **ds_parameter_server vs ds_mirrored on an uneven link.** Worker 0's link at 1 Gbit/s, worker 1's at 100 Mbit/s,
    the server's unshaped; 64-1024-1024-10 (1.1M parameters), batch 32 per worker, equal samples: ds_mirrored runs
    ``--ps-steps`` steps per worker, ds_parameter_server (``--ps-staleness``, default fully asynchronous) gets an update
@@ -50,7 +54,8 @@ The launching and link plumbing is in ``_cluster_launch.py``, part 1 in ``_clust
     python benchmarks/cluster.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
                                  [--steps 5] [--warmup 2] [--acc-steps 60] [--batch-size 32] [--val-windows 64]
                                  [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
-                                 [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--ps-steps 50]
+                                 [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--auto-powersgd-rank 4]
+                                 [--auto-interval 500] [--ps-steps 50]
                                  [--ps-staleness none] [--balance-epochs 5] [--balance-warmup-epochs 3]
                                  [--global-batch 512] [--interval 3] [--parts compression ps balance hierarchical]
                                  [--hier-rate 100] [--hier-steps 8] [--hier-hidden 1024 1024]
