@@ -143,7 +143,7 @@ def _final(root: Path) -> dict:
 def _uninterrupted(tmp_path: Path, strategy: str) -> dict:
     """The same run on 2 processes of one machine, no torchrun, no fault: the parameters to end with."""
     root = tmp_path / "reference"
-    ds_train(["fit", f"--config={_config(root, strategy)}", "--trainer.devices=2"], timeout=RUN_TIMEOUT)
+    ds_train(["fit", f"--config={_config(root, strategy)}", "--trainer.devices=2"], timeout=RUN_TIMEOUT, ranks=2)
     return _final(root)
 
 

@@ -47,9 +47,18 @@ class Run:
         return json.loads(path.read_text())
 
 
-def ds_train(args: list[str], timeout: float = 180, env: dict[str, str] | None = None, check: bool = True) -> Run:
-    """Run ``ds-train`` (through ``python -m ds_lightning.cli``) and return its exit code and output."""
-    run = run_module("ds_lightning.cli", args, timeout, env)
+def ds_train(
+    args: list[str], timeout: float = 180, env: dict[str, str] | None = None, check: bool = True, ranks: int = 1
+) -> Run:
+    """Run ``ds-train`` (through ``python -m ds_lightning.cli``) and return its exit code and output.
+
+    ``ranks > 1`` starts that many processes at once (:class:`Ranks`) instead of letting Lightning's launcher start
+    them: for runs whose subject is the training, not the launch.
+    """
+    if ranks > 1:
+        run = run_ranks("ds_lightning.cli", args, ranks, timeout, env)
+    else:
+        run = run_module("ds_lightning.cli", args, timeout, env)
     if check:
         assert run.returncode == 0, f"ds-train {' '.join(args)} failed ({run.returncode}):\n{run.output[-6000:]}"
     return run

@@ -126,7 +126,7 @@ def runs(tmp_path_factory):
     """Plain and sharded ds_mirrored, 2 epochs each under Adam, same seed and data; a checkpoint per epoch."""
     root = tmp_path_factory.mktemp("zero")
     for name, shard in (("plain", False), ("sharded", True)):
-        ds_train(_fit_args(root / name, root / name / "params", 2, shard), timeout=240)
+        ds_train(_fit_args(root / name, root / name / "params", 2, shard), timeout=240, ranks=2)
     return root
 
 
@@ -191,7 +191,7 @@ def test_checkpoint_holds_the_plain_layout_and_loads_on_one_device(runs, tmp_pat
 def test_resume_on_two_sharded_ranks_equals_the_uninterrupted_run(runs, tmp_path):
     (checkpoint,) = (runs / "sharded" / "ckpt").glob("epoch=0-*.ckpt")
     out = tmp_path / "params"
-    ds_train([*_fit_args(tmp_path, out, 2, True), f"--ckpt_path={checkpoint}"], timeout=240)
+    ds_train([*_fit_args(tmp_path, out, 2, True), f"--ckpt_path={checkpoint}"], timeout=240, ranks=2)
     straight, resumed = _params(runs / "sharded" / "params", 0), _params(out, 0)
     assert resumed["global_step"] == straight["global_step"] == 46
     assert resumed["batches_this_run"] == 23  # the second epoch only
