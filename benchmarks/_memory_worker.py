@@ -30,6 +30,7 @@ import ds_lightning
 from benchmarks import _workloads
 from benchmarks._mirrored_worker import BenchModel
 from benchmarks.harness.timing import StepTimer
+from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.sharding import optimizer_state_bytes
 
 #: ``ZeroRedundancyOptimizer`` with ``parameters_as_bucket_view=True`` broadcasts a one-element fp32 tensor for a rank
@@ -124,16 +125,11 @@ def main(spec_path: str) -> None:
     pl.seed_everything(0, verbose=False)
     workload = _workloads.build(spec["workload"], spec["hidden"])
     timer, reading = StepTimer(warmup=spec["warmup"]), MemoryReading()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=spec["procs"],
         strategy=ds_lightning.MirroredStrategy(shard_optimizer_state=spec["sharded"]),
         max_steps=spec["warmup"] + spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[timer, reading],
     )
     loader = DataLoader(workload.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
