@@ -78,14 +78,19 @@ def _unwrap(optimizer: Any) -> Any:
     return optimizer
 
 
+def make_optimizer(model_name: str, params: Any) -> torch.optim.Optimizer:
+    """Adam (digits) or AdamW (the GPT, as in the mirrored benchmark); the sharding-engines worker uses it too."""
+    if model_name == "gpt":
+        return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.Adam(params, lr=1e-3)
+
+
 class AdamModel(BenchModel):
-    """The workload's net under Adam (digits) or AdamW (the GPT, as in the mirrored benchmark)."""
+    """The workload's net under :func:`make_optimizer`'s optimizer."""
 
     @override
     def configure_optimizers(self):
-        if self.model_name == "gpt":
-            return torch.optim.AdamW(self.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
+        return make_optimizer(self.model_name, self.parameters())
 
 
 class MemoryReading(Callback):
