@@ -14,6 +14,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _workloads
+from benchmarks._auto_report import AUTO
 from benchmarks._cluster_launch import WORKERS, rotated, run_configs, shape_links
 from benchmarks._cluster_report import (
     ACC_TOLERANCE_POINTS,
@@ -30,15 +31,17 @@ from ds_lightning.testing import netns
 
 #: per-workload defaults of the options left unset: a full run, then what ``--quick`` changes. The GPT run keeps to
 #: part 1 (its parts 2 and 3 are measured by parameter_server.py and load_balance.py); its perplexity run trains
-#: 200 steps x 2 workers x 8 windows x 128 tokens = 409,600 tokens per setting.
+#: 200 steps x 2 workers x 8 windows x 128 tokens = 409,600 tokens per setting. The auto arm's PowerSGD rank is the
+#: smallest rank the verdict admitted when the fixed settings were measured (digits 4, GPT 16): auto never lowers it.
 MODEL_DEFAULTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "digits": (
-        {"steps": 5, "warmup": 2, "acc_steps": 60, "batch_size": 32, "powersgd_ranks": [1, 4]}
+        {"steps": 5, "warmup": 2, "acc_steps": 60, "batch_size": 32, "powersgd_ranks": [1, 4], "auto_powersgd_rank": 4}
         | {"parts": ["compression", "ps", "balance", "hierarchical"]},
         {"steps": 2, "warmup": 1, "acc_steps": 6},
     ),
     "gpt": (
         {"steps": 10, "warmup": 3, "acc_steps": 200, "batch_size": 8, "powersgd_ranks": [1, 4, 16]}
+        | {"auto_powersgd_rank": 16}
         | {"parts": ["compression"]},
         {"steps": 2, "warmup": 1, "acc_steps": 6},
     ),
@@ -72,7 +75,23 @@ def compression_configs(opts: argparse.Namespace) -> list[dict[str, Any]]:
                 "powersgd_start_iter": opts.powersgd_start_iter,
             }
         )
+    rank = getattr(opts, "auto_powersgd_rank", None)
+    if rank is not None and rank > 0:  # gradient_compression="auto", interleaved with the fixed settings
+        auto = {
+            "name": AUTO,
+            "compression": AUTO,
+            "powersgd_rank": rank,
+            "powersgd_start_iter": opts.powersgd_start_iter,
+        }
+        if getattr(opts, "auto_interval", None) is not None:
+            auto["auto_interval"] = opts.auto_interval
+        configs.append(auto)
     return configs
+
+
+def fixed_configs(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fixed settings: every configuration but auto."""
+    return [c for c in configs if c["compression"] != AUTO]
 
 
 def compression_spec(opts: argparse.Namespace, steps: int, warmup: int) -> dict[str, Any]:
@@ -107,11 +126,13 @@ def merge_compression(ranks: dict[int, dict[str, Any]], warmup: int) -> dict[str
         "params": r0["params"],
         "param_checksum": r0.get("param_checksum"),
         "steps": r0["steps"],
+        **({"auto": r0["auto"]} if "auto" in r0 else {}),
     }
 
 
 def _figure(result: dict[str, Any]) -> str:
-    return f"ppl {result['final_ppl']:.3f}" if "final_ppl" in result else f"acc {result['final_acc']:.3f}"
+    figure = f"ppl {result['final_ppl']:.3f}" if "final_ppl" in result else f"acc {result['final_acc']:.3f}"
+    return figure + (f", auto chose {result['auto']['choice']}" if "auto" in result else "")
 
 
 def run_compression_round(
@@ -152,7 +173,7 @@ def run_accuracy(cluster: netns.Cluster, opts: argparse.Namespace) -> dict[str, 
         cluster.unshape(host)
     warmup = min(2, opts.acc_steps - 1)
     spec = compression_spec(opts, opts.acc_steps - warmup, warmup)
-    records, _ = run_configs(cluster, spec, compression_configs(opts), opts)
+    records, _ = run_configs(cluster, spec, fixed_configs(compression_configs(opts)), opts)
     out = {}
     for name, rec in records.items():
         out[name] = rec if "error" in rec else merge_compression(rec, warmup)
@@ -163,6 +184,34 @@ def run_accuracy(cluster: netns.Cluster, opts: argparse.Namespace) -> dict[str, 
             print(
                 f"  accuracy run {name:>12}: {figure} after {out[name]['steps']} steps,"
                 f" unshaped {out[name]['median_step_ms']:.1f} ms/step",
+                flush=True,
+            )
+    return out
+
+
+def run_auto_accuracy(cluster: netns.Cluster, opts: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
+    """Auto once per shaped link, ``--acc-steps`` steps as in :func:`run_accuracy`: what auto computes depends on the
+    link (it picks the compression from it), so its accuracy or perplexity is taken on each link it is timed on."""
+    auto = [c for c in compression_configs(opts) if c["compression"] == AUTO]
+    if not auto:
+        return {}
+    warmup = min(2, opts.acc_steps - 1)
+    spec = compression_spec(opts, opts.acc_steps - warmup, warmup)
+    out: dict[str, Any] = {}
+    for link in links_of(opts.model):
+        if link["key"] in setup["unsupported"]:
+            continue
+        try:
+            shape_links(cluster, {i: (link["rate_mbit"], link["delay_ms"]) for i in range(WORKERS)})
+        except netns.ShapingUnsupportedError:
+            continue  # the timed rounds noted it in setup["unsupported"]
+        records, _ = run_configs(cluster, spec, auto, opts)
+        rec = records[AUTO]
+        out[link["key"]] = rec if "error" in rec else merge_compression(rec, warmup)
+        if "error" not in rec:
+            print(
+                f"  accuracy run auto at {link['label']:>11}: {_figure(out[link['key']])} after"
+                f" {out[link['key']]['steps']} steps, {out[link['key']]['median_step_ms']:.1f} ms/step",
                 flush=True,
             )
     return out
@@ -202,7 +251,7 @@ def verdict(comp: dict[str, Any], accuracy: dict[str, Any]) -> dict[str, Any]:
     best, value, excluded = None, None, {}
     for name, v in link.items():
         s = v["speedup_over_none"]
-        if name == "none" or s is None:
+        if name in ("none", AUTO) or s is None:  # auto is judged on its own (_cluster_auto_report.py)
             continue
         acc = accuracy.get(name, {}).get("final_acc")
         if base is None or acc is None or 100 * (base - acc) > ACC_TOLERANCE_POINTS:
@@ -240,7 +289,7 @@ def ppl_verdict(comp: dict[str, Any], perplexity: dict[str, Any], configs: list[
     best, value, excluded = None, None, {}
     for name, v in comp.get(TARGET_LINK, {}).items():
         s = v["speedup_over_none"]
-        if name == "none" or s is None:
+        if name in ("none", AUTO) or s is None:  # auto is judged on its own (_cluster_auto_report.py)
             continue
         if not within(name):
             r = ratio(name)
@@ -270,7 +319,7 @@ def gpt_markdown(data: dict[str, Any]) -> list[str]:
     """Part 1's section of the GPT's page (the flat view of ``Cluster.view``): step time, tokens/s, bytes and speedup
     per link, the perplexity after the same tokens, and the verdict counting only settings within the tolerance."""
     comp, ppl = data["compression"], data.get("accuracy") or {}
-    names = [c["name"] for c in data["compression_configs"]]
+    names = [c["name"] for c in fixed_configs(data["compression_configs"])]
     links = [link for link in links_of("gpt") if link["key"] in comp]
     tokens = tokens_per_step(data)
     t = data["targets"][0]

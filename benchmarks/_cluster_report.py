@@ -61,9 +61,9 @@ def _params(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e6:.2f}M"
 
 
-def markdown(data: dict[str, Any], part1: list[str] | None = None) -> list[str]:
+def markdown(data: dict[str, Any], part1: list[str] | None = None, auto: list[str] | None = None) -> list[str]:
     """The tables and notes, from the flat view of :meth:`Cluster.view`; ``part1``, if given, replaces part 1's
-    section (the GPT's, from ``_cluster_compression.gpt_markdown``)."""
+    section (the GPT's, from ``_cluster_compression.gpt_markdown``); ``auto`` follows part 1 (the auto arm's)."""
     setup = data["setup"]
     hidden = "-".join(str(h) for h in data["hidden"])
     ps_hidden = "-".join(str(h) for h in data["ps_hidden"])
@@ -86,7 +86,7 @@ def markdown(data: dict[str, Any], part1: list[str] | None = None) -> list[str]:
         lines += part1
     elif comp is not None:
         acc = data.get("accuracy", {})
-        names = [c["name"] for c in data["compression_configs"]]
+        names = [c["name"] for c in data["compression_configs"] if c["compression"] != "auto"]  # auto: its own table
         params = data.get("params")
         lines += [
             f"**1. ds_mirrored gradient_compression on shaped links** (2 worker hosts, both links shaped alike;"
@@ -152,6 +152,7 @@ def markdown(data: dict[str, Any], part1: list[str] | None = None) -> list[str]:
                 " numbers.",
                 "",
             ]
+    lines += auto or []
     ps = data.get("ps")
     if ps is not None:
         lines += [

@@ -7,7 +7,8 @@ or ``GLOO_SOCKET_IFNAME``). The spec lists configurations run one after the othe
 stays up between fits); their ``kind``:
 
 * ``compression``: ds_mirrored with one ``gradient_compression`` setting for ``warmup + steps`` steps, on the spec's
-  ``"workload"`` (``benchmarks/_workloads.py``: the digits classifier, or the GPT under AdamW);
+  ``"workload"`` (``benchmarks/_workloads.py``: the digits classifier, or the GPT under AdamW); under ``"auto"`` the
+  record adds auto's decisions and link figures (``benchmarks/_auto_report.py``);
 * ``ps``: ds_mirrored for ``steps`` steps, or ds_parameter_server with an update budget of the same samples;
 * ``balance``: ds_mirrored with ``DynamicLoadBalancer`` (``interval=0``: the equal split) for some epochs;
 * ``hierarchical``: ds_mirrored with the spec's ``hierarchical`` and ``gradient_compression``, 2 processes per host;
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
 from benchmarks import _workloads
+from benchmarks._auto_report import auto_reading
 from benchmarks.harness.timing import StepTimer
 from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.callbacks import DynamicLoadBalancer
@@ -138,12 +140,14 @@ def make_source(spec: dict[str, Any]) -> Source:
 def _strategy(spec: dict[str, Any]) -> Any:
     timeout = spec["dist_timeout"]
     if spec.get("strategy", "ds_mirrored") == "ds_mirrored":
+        interval = {"auto_interval": spec["auto_interval"]} if spec.get("auto_interval") is not None else {}
         return ds_lightning.MirroredStrategy(
             gradient_compression=spec.get("compression", "none"),
             powersgd_rank=spec.get("powersgd_rank", 2),
             powersgd_start_iter=spec.get("powersgd_start_iter", 10),
             hierarchical=spec.get("hierarchical", "auto"),
             timeout=timeout,
+            **interval,
         )
     # Equal samples with ds_mirrored's `steps` steps per worker: under max_staleness=0 one server update takes a batch
     # from every worker, otherwise every push (one batch) is an update.
@@ -223,6 +227,9 @@ def fit_one(spec: dict[str, Any], data: Source) -> None:
             record["timed_bytes_per_step"] = (total - clock.bytes_at_warmup * clock.warmup) / (
                 record["steps"] - clock.warmup
             )
+    auto = auto_reading(strategy)  # gradient_compression="auto": its choices and the link figures it measured
+    if auto is not None:
+        record["auto"] = auto
     if balancer is not None and rank == 0 and balancer.plan is not None:
         record["sizes"] = [list(balancer.plan.sizes_at(i)) for i in range(balancer.batches)]
         record["final_sizes"] = list(balancer.plan.latest)

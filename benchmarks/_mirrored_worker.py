@@ -2,7 +2,8 @@
 
 Started by ``benchmarks/mirrored.py`` with a JSON spec; both modes train the spec's ``"workload"`` (the digits MLP with
 SGD, or the GPT with AdamW; ``benchmarks/_workloads.py``). Rank 0 writes ``result.json`` with its per-step times (the
-harness's ``StepTimer`` for Lightning; the same span, timed by hand, for the plain loop) and the bytes sent per step.
+harness's ``StepTimer`` for Lightning; the same span, timed by hand, for the plain loop), their median and mean over the
+timed steps, the bytes sent per step and, under ``gradient_compression="auto"``, auto's choices and link figures.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning
 from benchmarks import _workloads
+from benchmarks._auto_report import auto_reading
 from benchmarks.harness.timing import StepTimer
 from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.testing import free_port
@@ -60,7 +62,10 @@ def run_lightning(spec: dict[str, Any]) -> None:
     pl.seed_everything(0, verbose=False)
     workload = _workloads.build(spec["workload"], spec["hidden"])
     strategy: Any = spec["strategy"]
-    if strategy == "ds_mirrored" and spec["compression"] != "none":
+    if strategy == "ds_mirrored" and spec["compression"] == "auto":  # the strategy's defaults, as a user gets them
+        interval = {} if spec.get("auto_interval") is None else {"auto_interval": spec["auto_interval"]}
+        strategy = ds_lightning.MirroredStrategy(gradient_compression="auto", **interval)
+    elif strategy == "ds_mirrored" and spec["compression"] != "none":
         strategy = ds_lightning.MirroredStrategy(gradient_compression=spec["compression"], powersgd_start_iter=2)
     timer = StepTimer(warmup=spec["warmup"])
     trainer = quiet_trainer(
@@ -74,6 +79,10 @@ def run_lightning(spec: dict[str, Any]) -> None:
     trainer.fit(BenchModel(workload), train_dataloaders=loader)
     if trainer.is_global_zero:
         out = timer.reading()
+        out["mean_step_ms"] = statistics.fmean(timer.timed_ms)  # counts the steps that probed the link (auto)
+        auto = auto_reading(trainer.strategy)
+        if auto is not None:
+            out["auto"] = auto
         for attr in ("comm_bytes_per_step", "uncompressed_bytes_per_step"):
             if hasattr(trainer.strategy, attr):
                 out[attr] = float(getattr(trainer.strategy, attr))
@@ -108,6 +117,7 @@ def _plain_worker(rank: int, spec: dict[str, Any], port: int) -> None:
     if rank == 0:
         timed = times[spec["warmup"] :]
         out = {"step_ms": times, "warmup": spec["warmup"], "median_step_ms": statistics.median(timed)}
+        out["mean_step_ms"] = statistics.fmean(timed)
         Path(spec["out_dir"], "result.json").write_text(json.dumps(out))
     dist.destroy_process_group()
 

@@ -21,6 +21,10 @@ without ``netem``, where a delay cannot be emulated). Every process runs 1 threa
    (``--acc-steps`` 200: 409,600 tokens per setting, same data order and initial parameters), then the validation
    perplexity of rank 0's parameters on the first ``--val-windows`` windows of TextDataModule's validation split;
    only settings within 2% of none's perplexity count, and the smallest PowerSGD rank within 2% is reported.
+   ``gradient_compression="auto"`` runs next to the fixed settings (``--auto-powersgd-rank``: digits 4, GPT 16, the
+   smallest ranks the verdict admitted; 0 drops it) and is judged at each link against the best fixed setting within
+   the verdict's bounds (target auto / best <= 1.10), its accuracy or perplexity from one ``--acc-steps`` run on each
+   shaped link (``_cluster_auto_report.py``).
 2. **ds_parameter_server vs ds_mirrored on an uneven link.** Worker 0's link at 1 Gbit/s, worker 1's at 100 Mbit/s,
    the server's unshaped; 64-1024-1024-10 (1.1M parameters), batch 32 per worker, equal samples: ds_mirrored runs
    ``--ps-steps`` steps per worker, ds_parameter_server (``--ps-staleness``, default fully asynchronous) gets an update
@@ -50,7 +54,8 @@ The launching and link plumbing is in ``_cluster_launch.py``, part 1 in ``_clust
     python benchmarks/cluster.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
                                  [--steps 5] [--warmup 2] [--acc-steps 60] [--batch-size 32] [--val-windows 64]
                                  [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
-                                 [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--ps-steps 50]
+                                 [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--auto-powersgd-rank 4]
+                                 [--auto-interval 500] [--ps-steps 50]
                                  [--ps-staleness none] [--balance-epochs 5] [--balance-warmup-epochs 3]
                                  [--global-batch 512] [--interval 3] [--parts compression ps balance hierarchical]
                                  [--hier-rate 100] [--hier-steps 8] [--hier-hidden 1024 1024]
@@ -68,6 +73,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _workloads, harness
+from benchmarks._cluster_auto_report import auto_markdown, summarise_auto
 from benchmarks._cluster_compression import (
     compression_configs,
     gpt_markdown,
@@ -75,6 +81,7 @@ from benchmarks._cluster_compression import (
     model_defaults,
     ppl_verdict,
     run_accuracy,
+    run_auto_accuracy,
     run_compression_round,
     summarise_compression,
     tokens_per_step,
@@ -261,7 +268,16 @@ class Cluster(harness.Benchmark):
         add("--val-windows", type=int, default=64, help="GPT: validation windows of the perplexity (64)")
         add("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths (digits)")
         add("--powersgd-ranks", type=int, nargs="+", default=None, help="PowerSGD ranks (digits 1 4, GPT 1 4 16)")
-        add("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1)")
+        add("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1; auto's too)")
+        add(
+            "--auto-powersgd-rank",
+            type=int,
+            default=None,
+            help="the auto arm's powersgd_rank (digits 4, GPT 16; 0: no arm)",
+        )
+        add(
+            "--auto-interval", type=int, default=None, help="the auto arm's auto_interval (the strategy's default, 500)"
+        )
         add("--ps-hidden", type=int, nargs="+", default=[1024, 1024], help="parts 2 and 3's widths")
         add("--ps-steps", type=int, default=None, help="part 2: ds_mirrored steps per worker (50; 8)")
         add("--ps-staleness", type=_staleness, nargs="+", default=[None], help="part 2: max_staleness values (none)")
@@ -301,6 +317,7 @@ class Cluster(harness.Benchmark):
         }
         setup: dict[str, Any] = {"links": {}, "unsupported": {}, "probes": {}}
         accuracy: dict[str, Any] = {}
+        accuracy_auto: dict[str, Any] = {}
         with netns.Cluster(3) as cluster:
             setup["hosts"] = [{"name": h.name, "address": h.address} for h in cluster.hosts]
             setup["qdisc_kind"] = "netem" if netns.netem_available() else "tbf (no netem in this kernel)"
@@ -321,6 +338,7 @@ class Cluster(harness.Benchmark):
                     run_hierarchical_round(cluster, r, opts, raw["hierarchical"])
             if "compression" in opts.parts:
                 accuracy = run_accuracy(cluster, opts)
+                accuracy_auto = run_auto_accuracy(cluster, opts, setup)
         params = (
             r["params"] for runs in [accuracy, *raw["compression"].values()] for r in _flat(runs) if "params" in r
         )
@@ -329,6 +347,7 @@ class Cluster(harness.Benchmark):
             "params": next(params, None),
             "setup": setup,
             "accuracy": accuracy,
+            **({"accuracy_auto": accuracy_auto} if accuracy_auto else {}),
             "launches": LAUNCHES,
             "records": [],  # this benchmark keeps its runs by part, link and configuration in "raw"
             "raw": raw,
@@ -350,6 +369,9 @@ class Cluster(harness.Benchmark):
             "balance": summarise_balance(raw["balance"]) if "balance" in parts else None,
             "targets": targets,
         }
+        if comp is not None and any(c["compression"] == "auto" for c in data["compression_configs"]):
+            accuracy_auto = data.get("accuracy_auto") or {}
+            out["auto"] = summarise_auto(comp, raw["compression"], accuracy, accuracy_auto, data["settings"])
         if "hierarchical" in parts:  # results from before part 4 keep their summary
             out["hierarchical"] = summarise_hierarchical(raw["hierarchical"])
         out["notes"] = notes(self.view({**data, "summary": out}))
@@ -372,7 +394,8 @@ class Cluster(harness.Benchmark):
                 f" [min - max] over repeats. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine.",
             ]
         else:
-            lines = markdown(view, gpt_markdown(view) if is_gpt(view) and view.get("compression") else None)
+            part1 = gpt_markdown(view) if is_gpt(view) and view.get("compression") else None
+            lines = markdown(view, part1, auto_markdown(view))
         if view.get("hierarchical"):
             lines += hierarchical_markdown(view["hierarchical"], data["settings"])
         return lines

@@ -4,13 +4,17 @@ Every arm runs on 2 CPU processes (gloo, 1 thread each) and trains the ``--model
 (``benchmarks/_workloads.py``): the 64-1024-1024-10 MLP on the digits (SGD, batch 32 per process), or the byte-level
 GPT on the standard library's text (AdamW, batch 8 windows of 128 tokens per process); the benchmark harness
 interleaves the arms and repeats them. Arms: ``ds_mirrored`` (no compression; also the ``none`` row of the compression
-table), Lightning's ``ddp``, a plain torch DDP loop, and ``ds_mirrored`` with ``gradient_compression`` fp16, bf16 and
-powersgd. Step time is forward + backward + optimizer step (the harness's ``StepTimer``; the plain loop times the same
-span by hand), median over the steps after the warm-up; throughput is the global batch (samples, or tokens on the
-GPT) over that step time. Targets: ds_mirrored / Lightning ddp <= 1.00, ds_mirrored / plain loop <= 1.10.
+table), Lightning's ``ddp``, a plain torch DDP loop, ``ds_mirrored`` with ``gradient_compression`` fp16, bf16 and
+powersgd, and ``ds_mirrored`` with ``gradient_compression="auto"`` (the strategy's defaults; ``--auto-interval`` sets
+its probe interval). Step time is forward + backward + optimizer step (the harness's ``StepTimer``; the plain loop
+times the same span by hand), median over the steps after the warm-up; throughput is the global batch (samples, or
+tokens on the GPT) over that step time. Targets: ds_mirrored / Lightning ddp <= 1.00, ds_mirrored / plain loop <= 1.10,
+auto / none <= 1.05 (per repeat; the report adds what auto chose, from the strategy's recorded decisions and link
+figures, and the ratio of mean step times, which count the steps that probed the link).
 
     python benchmarks/mirrored.py [--quick] [--model digits|gpt] [--repeats 5] [--out DIR] [--render [JSON]]
-        [--steps 150] [--warmup 20] [--batch-size 32] [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
+        [--steps 150] [--warmup 20] [--batch-size 32] [--auto-interval 500]
+        [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _workloads, harness
+from benchmarks._auto_report import AUTO, loopback_lines, loopback_summary
 from benchmarks.harness import Arm, Experiment, fmt
 
 WORKER = Path(__file__).resolve().parent / "_mirrored_worker.py"
@@ -75,6 +80,9 @@ class Mirrored(harness.Benchmark):
         )
         parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 1024], help="hidden widths (1024 1024)")
         parser.add_argument("--batch-size", type=int, default=None, help="batch per process (digits 32, GPT 8)")
+        parser.add_argument(
+            "--auto-interval", type=int, default=None, help="the auto arm's auto_interval (the strategy's default, 500)"
+        )
         parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (600)")
         _workloads.add_options(parser)
 
@@ -90,15 +98,18 @@ class Mirrored(harness.Benchmark):
             for c in COMPRESSIONS
             if c != "none"
         ]
+        auto = {"mode": "lightning", "strategy": "ds_mirrored", "compression": AUTO}
+        arms.append(Arm(AUTO, auto, "ds_mirrored auto"))
         return Experiment(arms, opts.repeats, baseline="ds_mirrored")
 
     def run(self, arm: Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
-        spec = {**arm.params, "hidden": opts.hidden, "batch_size": opts.batch_size}
+        spec = {**arm.params, "hidden": opts.hidden, "batch_size": opts.batch_size, "auto_interval": opts.auto_interval}
         spec.update(steps=opts.steps, warmup=opts.warmup, workload=_workloads.spec_of(opts))
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1))
         r = found["result"]
         reading = {"rc": found["rc"], "step_ms": r["median_step_ms"]}
-        reading.update({k: r[k] for k in ("comm_bytes_per_step", "uncompressed_bytes_per_step") if k in r})
+        keys = ("mean_step_ms", "comm_bytes_per_step", "uncompressed_bytes_per_step", "auto")
+        reading.update({k: r[k] for k in keys if k in r})
         return reading
 
     def progress(self, record: dict[str, Any]) -> str:
@@ -106,7 +117,8 @@ class Mirrored(harness.Benchmark):
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
         records = with_throughput(data)
-        s = harness.summarise(records, list(data["arms"]), ["step_ms", "throughput", "comm_bytes_per_step"])
+        keys = ["step_ms", "throughput", "comm_bytes_per_step", "mean_step_ms"]
+        s = harness.summarise(records, list(data["arms"]), keys)
         for arm in RATIOS:  # ds_mirrored over each reference, per repeat
             s["ds_mirrored"][f"over_{arm}"] = harness.paired(records, "ds_mirrored", arm, "step_ms")
         for setting, arm in COMPRESSIONS.items():
@@ -125,6 +137,9 @@ class Mirrored(harness.Benchmark):
                     for link, mbit in LINKS_MBIT.items()
                 },
             }
+        if AUTO in s:  # results from before the auto arm have none
+            st = data["settings"]
+            s[AUTO]["auto"] = loopback_summary(records, "ds_mirrored", st["warmup"], st["steps"])
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
@@ -177,6 +192,7 @@ class Mirrored(harness.Benchmark):
                 ],
                 comp_rows,
             ),
+            *(loopback_lines(s, "ds_mirrored", st) if AUTO in s else []),
             *(["", "Failed runs:", *(f"- {f}" for f in failed)] if failed else []),
         ]
 
@@ -188,13 +204,14 @@ class Mirrored(harness.Benchmark):
 
         s = data["summary"]
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-        names = [n for n in STRATEGIES if s[n]["step_ms"]]
+        names = [n for n in [*STRATEGIES, AUTO] if n in s and s[n]["step_ms"]]
         med = [s[n]["step_ms"]["median"] for n in names]
         err = [
             [m - s[n]["step_ms"]["min"] for n, m in zip(names, med, strict=True)],
             [s[n]["step_ms"]["max"] - m for n, m in zip(names, med, strict=True)],
         ]
-        bars = ax1.bar(names, med, yerr=err, capsize=4, color=["tab:blue", "tab:orange", "tab:gray"][: len(names)])
+        colors = ["tab:blue", "tab:orange", "tab:gray", "tab:green"][: len(names)]
+        bars = ax1.bar(names, med, yerr=err, capsize=4, color=colors)
         rates = [s[n]["throughput"]["median"] if s[n].get("throughput") else None for n in names]
         ax1.bar_label(bars, [f"{r:.0f} {unit_of(data)}/s" if r else "" for r in rates], label_type="center", fontsize=8)
         ax1.set_ylabel("median step time (ms)")

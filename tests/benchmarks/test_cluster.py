@@ -13,7 +13,15 @@ import torch
 
 from benchmarks import _cluster_worker as worker
 from benchmarks import harness
-from benchmarks._cluster_compression import compression_configs, compression_spec, ppl_verdict, summarise_compression
+from benchmarks._cluster_auto_report import summarise_auto
+from benchmarks._cluster_compression import (
+    compression_configs,
+    compression_spec,
+    merge_compression,
+    ppl_verdict,
+    summarise_compression,
+    verdict,
+)
 from benchmarks.cluster import Cluster
 
 TOKENS = 2 * 8 * 128  # two workers' batches of 8 windows of 128 tokens
@@ -42,6 +50,38 @@ def _opts(*argv: str) -> argparse.Namespace:
 def test_per_workload_defaults_fill_only_what_is_unset(argv: tuple[str, ...], expected: tuple[Any, ...]):
     o = _opts(*argv)
     assert (o.steps, o.warmup, o.acc_steps, o.batch_size, o.powersgd_ranks, o.parts, o.repeats) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "rank", "interval"),
+    [((), 4, None), (("--model", "gpt"), 16, None), (("--auto-powersgd-rank", "2", "--auto-interval", "5"), 2, 5)],
+)
+def test_the_auto_arm_follows_the_fixed_settings_at_the_smallest_admitted_rank(argv, rank, interval):
+    configs = compression_configs(_opts(*argv))
+    auto = configs[-1]
+    assert auto["name"] == auto["compression"] == "auto" and auto["powersgd_rank"] == rank
+    assert auto["powersgd_start_iter"] == 1  # the fixed PowerSGD settings' own
+    assert auto.get("auto_interval") == interval
+    assert [c["name"] for c in compression_configs(_opts(*argv, "--auto-powersgd-rank", "0"))] == [
+        c["name"] for c in configs[:-1]
+    ]
+
+
+def test_the_worker_builds_auto_with_the_specs_rank_start_and_interval():
+    spec = {"dist_timeout": 30, "compression": "auto", "powersgd_rank": 16, "powersgd_start_iter": 1}
+    strategy = worker._strategy({**spec, "auto_interval": 7})
+    assert (strategy.gradient_compression, strategy.auto_interval) == ("auto", 7)
+    compressor = strategy._compressor  # what the auto state is built from at set-up
+    assert (compressor.powersgd_rank, compressor.powersgd_start_iter) == (16, 1)
+    assert worker._strategy(spec).auto_interval == 500  # the strategy's default when the spec sets none
+
+
+def test_a_runs_reading_keeps_auto_choices_from_rank_0():
+    rank = {"step_ms": [9.0, 5.0, 3.0], "comm_bytes_per_step": 1.0, "uncompressed_bytes_per_step": 2.0}
+    rank |= {"final_acc": 0.5, "fit_s": 1.0, "to_first_step_s": 0.1, "params": 10, "steps": 3}
+    merged = merge_compression({0: {**rank, "auto": {"choice": "fp16"}}, 1: rank}, warmup=1)
+    assert merged["auto"] == {"choice": "fp16"} and merged["median_step_ms"] == 4.0
+    assert "auto" not in merge_compression({0: rank, 1: rank}, warmup=1)
 
 
 def test_the_gpt_spec_names_the_workload_and_its_perplexity_windows():
@@ -99,6 +139,18 @@ def test_no_rank_within_2_percent_and_a_failed_perplexity_run_are_left_out():
     assert (t["best"], t["value"]["median"], t["met"]) == ("fp16", 1.9, False)
 
 
+def test_the_verdicts_judge_fixed_settings_only_not_auto():
+    speed = {"fp16": 2.0, "powersgd_r16": 3.0, "auto": 9.0}
+    ppl = {"none": 10.0, "fp16": 10.0, "powersgd_r16": 10.1}
+    t = ppl_verdict(_comp(speed), _ppl(ppl), _configs([16]))
+    assert (t["best"], t["value"]["median"]) == ("powersgd_r16", 3.0) and "auto" not in t["excluded_for_ppl_ratio"]
+    acc = {n: {"final_acc": 0.9} for n in ("none", "fp16", "powersgd_r16")}
+    d = verdict(_comp(speed), acc)
+    assert (d["best"], d["value"]["median"]) == ("powersgd_r16", 3.0) and "auto" not in d[
+        "excluded_for_accuracy_points"
+    ]
+
+
 def test_without_nones_perplexity_nothing_counts():
     t = ppl_verdict(_comp({"fp16": 2.0}), _ppl({"none": None, "fp16": 10.0}), _configs([1]))
     assert (t["best"], t["value"], t["met"], t["powersgd_rank_within_tolerance"]) == (None, None, None, None)
@@ -112,6 +164,54 @@ def test_summary_adds_tokens_per_second_and_perplexity_for_the_gpt_only():
     assert gpt["tokens_per_s"]["median"] == 4000.0 and gpt["final_ppl"]["median"] == 9.0
     digits = summarise_compression({"100mbit": {"none": [{**run, "final_acc": 0.9}]}})["100mbit"]["none"]
     assert "tokens_per_s" not in digits and "final_ppl" not in digits and digits["final_acc"]["median"] == 0.9
+
+
+# --- auto against the best fixed setting at each link ----------------------------------------------------------------
+
+
+def _timed(*ms: float, auto: str | None = None) -> list[dict[str, Any]]:
+    reading = {"choice": auto, "decisions": [{"step": 0, "choice": "none", "probed": True}]} if auto else None
+    run = {"bytes_per_step": 1.0, "final_ppl": 10.0, "final_acc": 0.5, **({"auto": reading} if reading else {})}
+    return [{**run, "median_step_ms": m} for m in ms]
+
+
+def test_auto_is_judged_against_the_fastest_setting_within_the_bounds_per_repeat():
+    raw = {
+        "1gbit": {"none": _timed(200, 200), "fp16": _timed(150, 150), "auto": _timed(180, 170, auto="fp16")},
+        "100mbit": {
+            "none": _timed(1000, 1000),
+            "fp16": _timed(500, 520),
+            "powersgd_r1": _timed(100, 90),  # the fastest, but its perplexity is 10% over none's: not a yardstick
+            "powersgd_r16": _timed(200, 210),
+            "auto": [*_timed(210, auto="powersgd"), {"error": "timed out"}, *_timed(240, auto="powersgd")],
+        },
+    }
+    raw["100mbit"] = {n: (runs if n == "auto" else [*runs[:1], *runs]) for n, runs in raw["100mbit"].items()}
+    accuracy = _ppl({"none": 10.0, "fp16": 10.0, "powersgd_r1": 11.0, "powersgd_r16": 10.1})
+    accuracy_auto = {"100mbit": {"final_ppl": 10.15, "steps": 6, "median_step_ms": 205.0}, "1gbit": {"error": "boom"}}
+    settings = {"model": "gpt", "warmup": 1, "steps": 2}
+    s = summarise_auto(summarise_compression(raw, TOKENS), raw, accuracy, accuracy_auto, settings)
+    slow = s["100mbit"]
+    # Repeats 0 and 2 (repeat 1 of auto failed): 210/200 and 240/210; against the fastest of all, r1: 210/100, 240/90.
+    assert (slow["best"], slow["fastest"]) == ("powersgd_r16", "powersgd_r1")
+    assert slow["over_best"]["runs"] == pytest.approx([1.05, 240 / 210])
+    assert slow["over_fastest"]["runs"] == pytest.approx([2.1, 240 / 90])
+    assert (slow["speed_met"], slow["accuracy_met"], slow["met"]) == (True, True, True)
+    assert slow["choices"]["final"] == {"powersgd": 2} and slow["failed_runs"] == 1
+    fast = s["1gbit"]
+    assert fast["best"] == "fp16" and fast["over_best"]["median"] == pytest.approx((1.2 + 170 / 150) / 2)
+    assert (fast["speed_met"], fast["accuracy_met"], fast["met"]) == (False, None, None)
+    assert fast["accuracy_error"] == "boom"
+
+
+def test_digits_auto_is_held_to_one_point_of_nones_accuracy():
+    raw = {"100mbit": {"none": _timed(1000), "powersgd_r4": _timed(160), "auto": _timed(170, auto="powersgd")}}
+    accuracy = {"none": {"final_acc": 0.90}, "powersgd_r4": {"final_acc": 0.895}}
+    settings = {"warmup": 1, "steps": 2}
+    for auto_acc, met in ((0.892, True), (0.88, False)):
+        got = summarise_auto(summarise_compression(raw), raw, accuracy, {"100mbit": {"final_acc": auto_acc}}, settings)
+        v = got["100mbit"]
+        assert (v["best"], v["speed_met"], v["accuracy_met"], v["met"]) == ("powersgd_r4", True, met, met)
 
 
 # --- a fabricated GPT result, rendered -------------------------------------------------------------------------------
@@ -197,6 +297,31 @@ def test_render_says_when_no_powersgd_rank_stayed_within_2_percent(tmp_path: Pat
     md = (tmp_path / "cluster_gpt.md").read_text()
     assert "No PowerSGD rank tried (1, 4, 16) stayed within 2% of none's perplexity after the same tokens." in md
     assert "within 2% of none's | >= 5x faster | fp16: 2.00x | **MISS** |" in md
+
+
+def test_render_of_a_gpt_result_with_auto_gives_its_own_section_and_keeps_it_out_of_the_fixed_table(tmp_path: Path):
+    pytest.importorskip("matplotlib")
+    data = _gpt_data()
+    reading = {"choice": "powersgd", "decisions": [{"step": 0, "choice": "none", "probed": True}]}
+    reading["decisions"].append({"step": 1, "choice": "powersgd", "probed": False})
+    data["raw"]["compression"]["1gbit"]["auto"] = [{**_run(165.0, 1.75, 200.0), "auto": {**reading, "choice": "fp16"}}]
+    data["raw"]["compression"]["100mbit"]["auto"] = [{**_run(210.0, 0.3, 200.0), "auto": reading}]
+    data["accuracy_auto"] = {"1gbit": _run(160.0, 1.75, 10.02), "100mbit": {**_run(205.0, 0.3, 10.05), "auto": reading}}
+    harness.write_json(tmp_path / "cluster_gpt.json", data)
+    harness.main(Cluster(), ["--render", str(tmp_path / "cluster_gpt.json"), "--model", "gpt"])
+    md = (tmp_path / "cluster_gpt.md").read_text()
+    assert "| auto |" not in md  # not a fixed setting: no row in the fixed table, not in the 5x verdict
+    assert "within 2% of none's | >= 5x faster | powersgd_r4: 8.00x | PASS |" in md
+    assert "`MirroredStrategy(gradient_compression='auto', powersgd_rank=16, powersgd_start_iter=1)`" in md
+    # 1 Gbit/s: the best within 2% is powersgd_r4 (120 ms; r1 is faster but 10% worse): 165/120 = 1.375, a miss.
+    assert "| 1 Gbit/s | 165 | powersgd_r4: 120 | **1.375** | powersgd_r1: 1.500 | 10.020 (1.0020x none's) |" in md
+    assert "| **MISS** (step time) |" in md
+    # 100 Mbit/s: best powersgd_r4 at 128 ms, 210/128 = 1.64; fastest r1 at 100 ms.
+    assert "| 100 Mbit/s | 210 | powersgd_r4: 128 | **1.641** | powersgd_r1: 2.100 | 10.050 (1.0050x none's) |" in md
+    assert "- 100 Mbit/s: chose powersgd in 1 of 1 runs (timed steps: powersgd 2);" in md
+    assert "step 0: none (probed), step 1: powersgd. Long run: none 1, powersgd 2 steps, 205 ms/step." in md
+    assert "- 1 Gbit/s: chose fp16 in 1 of 1 runs" in md and "auto / best (target <= 1.10)" in md
+    assert Cluster().summarise(data)["auto"]["100mbit"]["met"] is False
 
 
 def test_worker_source_gives_every_configuration_the_same_gpt_and_validation_windows():

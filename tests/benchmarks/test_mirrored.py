@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from benchmarks import harness
+from benchmarks._auto_report import AUTO
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
 from benchmarks.mirrored import COMPRESSIONS, STRATEGIES, Mirrored
@@ -45,9 +46,29 @@ def test_meta_names_the_gpt_workload_and_its_shape():
     assert "byte-level GPT (2 layers" in meta["workload_label"] and "context 64" in meta["workload_label"]
 
 
-def _gpt_data() -> dict[str, Any]:
+def test_the_auto_arm_runs_interleaved_with_the_others_at_the_given_interval():
+    experiment = Mirrored().experiment(_opts("--auto-interval", "50"))
+    auto = experiment.arm(AUTO)
+    assert auto.params == {"mode": "lightning", "strategy": "ds_mirrored", "compression": "auto"}
+    assert [a.name for a in experiment.arms][-1] == AUTO and experiment.baseline == "ds_mirrored"
+    assert {n for _, a in experiment.order() for n in [a.name]} >= {AUTO, "ds_mirrored"}
+    assert _opts("--auto-interval", "50").auto_interval == 50 and _opts().auto_interval is None  # None: the default
+
+
+def _auto_reading(choice: str = "none") -> dict[str, Any]:
+    figures = {
+        "world_size": 2,
+        "float32": {"latency_s": 40e-6, "bandwidth": 2.0e9},
+        "float16": {"latency_s": 40e-6, "bandwidth": 0.5e9},
+        "compress_s": {"fp16": 1e-3, "powersgd": 3e-3},
+    }
+    decisions = [{"step": 0, "choice": "none", "probed": True}, {"step": 10, "choice": choice, "probed": False}]
+    return {"choice": choice, "decisions": decisions, "figures": figures}
+
+
+def _gpt_data(auto_ms: tuple[float, ...] = (104.0,), none_ms: tuple[float, ...] = (100.0,)) -> dict[str, Any]:
     opts = _opts("--model", "gpt")
-    step_ms = {"ds_mirrored": 100.0, "lightning_ddp": 125.0, "plain_ddp": 80.0, "fp16": 90.0, "bf16": 95.0}
+    step_ms = {"ds_mirrored": none_ms[0], "lightning_ddp": 125.0, "plain_ddp": 80.0, "fp16": 90.0, "bf16": 95.0}
     step_ms["powersgd"] = 110.0
     full = 3.5e6
     sent = {"ds_mirrored": full, "lightning_ddp": full, "fp16": full / 2, "bf16": full / 2, "powersgd": full / 4}
@@ -63,8 +84,15 @@ def _gpt_data() -> dict[str, Any]:
         }
         for i, (arm, ms) in enumerate(step_ms.items())
     ]
+    for repeat, (auto, none) in enumerate(zip(auto_ms, none_ms, strict=True)):
+        base = {"repeat": repeat, "order": 0, "seconds": 30.0, "rc": 0}
+        if repeat:  # repeat 0's none is above
+            records.append({**base, "arm": "ds_mirrored", "step_ms": none, "mean_step_ms": none})
+        records.append({**base, "arm": AUTO, "step_ms": auto, "mean_step_ms": auto + 3, "auto": _auto_reading()})
+    records[0]["mean_step_ms"] = none_ms[0]
     settings = {k: v for k, v in vars(opts).items() if k not in ("out", "render")}
     arms = {**{n: n for n in STRATEGIES}, **{c: f"ds_mirrored {c}" for c in COMPRESSIONS if c != "none"}}
+    arms[AUTO] = "ds_mirrored auto"
     return {"benchmark": "mirrored", "settings": settings, **Mirrored().meta(opts), "arms": arms, "records": records}
 
 
@@ -81,6 +109,21 @@ def test_render_of_a_gpt_result_reports_tokens_per_second_in_gpt_files(tmp_path:
     assert "| **ds_mirrored / Lightning ddp (target <= 1.00)** | **0.800** |  |" in md
     assert "| powersgd | 0.875 MB | 0.250x | 110.00 | 18618 |" in md
     assert "samples/s" not in md
+    # auto / none per repeat against 1.05; its mean step counts the probe steps; what auto chose, from its reading.
+    assert "| median step (ms) | 104.00 | 100.00 | **1.040** | <= 1.05 | PASS |" in md
+    assert "| mean step (ms), probe steps included | 107.00 | 100.00 | 1.070 | - | - |" in md
+    assert "What auto chose: chose none in 1 of 1 runs (timed steps: none 30); probed latency 40 us/round," in md
+    assert "bandwidth 2000 MB/s float32, 500 MB/s float16; first run's decisions: step 0: none (probed), step 10" in md
+
+
+def test_auto_over_none_is_paired_by_repeat_and_misses_above_1_05():
+    data = _gpt_data(auto_ms=(110.0, 95.0, 120.0), none_ms=(100.0, 100.0, 100.0))
+    s = Mirrored().summarise(data)[AUTO]["auto"]
+    assert s["over_none"]["runs"] == pytest.approx([1.10, 0.95, 1.20]) and s["met"] is False
+    assert s["choices"]["final"] == {"none": 3} and s["choices"]["probes_in_timed_steps"]["median"] == 0
+    md = "\n".join(Mirrored().report({**data, "summary": Mirrored().summarise(data)}))
+    row = "| 110.00 [95.00 - 120.00] | 100.00 [100.00 - 100.00] | **1.100 [0.950 - 1.200]** | <= 1.05 | **MISS** |"
+    assert f"| median step (ms) {row}" in md
 
 
 def test_render_of_the_digits_results_from_before_the_gpt_says_samples_per_second(tmp_path: Path):

@@ -17,7 +17,7 @@ import torch
 
 from ds_lightning.callbacks import BackupAndRestore
 from tests.helpers.backup_runs import DIED
-from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args, run_module
+from tests.helpers.runner import CONFIGS, Run, ds_train, quiet_trainer_args, run_module, run_ranks
 
 N = 96  # samples per epoch
 
@@ -29,12 +29,26 @@ def train(tmp_path: Path, name: str, spec: dict[str, Any], expect: int = 0, time
     spec.setdefault("backup_dir", str(tmp_path / f"{name}_backups"))
     path = tmp_path / f"{name}-{expect}.json"
     path.write_text(json.dumps(spec))
-    run = run_module("tests.helpers.backup_runs", [str(path)], timeout=timeout)
+    run = launch(path, spec, timeout)
     assert run.returncode == expect, run.output[-6000:]
     result: dict[str, Any] = {"output": run.output}
     if expect == 0:
         result.update(json.loads(Path(f"{out}.json").read_text()))
     return result
+
+
+def launch_ranks(spec: dict[str, Any]) -> int:
+    """How many processes to start at once: every rank, except where Lightning's launcher is the one that must start
+    them (one process, or the parameter server's, whose launcher also starts the servers)."""
+    devices = int(spec.get("devices", 2))
+    return devices if devices > 1 and spec.get("strategy", "ds_mirrored") != "ds_parameter_server" else 1
+
+
+def launch(path: Path, spec: dict[str, Any], timeout: float) -> Run:
+    ranks = launch_ranks(spec)
+    if ranks > 1:
+        return run_ranks("tests.helpers.backup_runs", [str(path)], ranks, timeout=timeout)
+    return run_module("tests.helpers.backup_runs", [str(path)], timeout=timeout)
 
 
 def final_params(tmp_path: Path, name: str) -> dict[str, torch.Tensor]:

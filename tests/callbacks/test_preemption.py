@@ -8,8 +8,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,13 +23,14 @@ from tests.callbacks.test_backup_and_restore import (
     samples_per_epoch,
     train,
 )
-from tests.helpers.runner import REPO, worker_env
+from tests.helpers.runner import Ranks
 
 SIGNALS = 20
 EXIT_CODE = 42
+EPOCHS = 24  # 144 steps: an interruption takes 3 to 6 (one to start, up to 3 slept, 2 to agree and back up)
 SPEC: dict[str, Any] = {
     "devices": 2,
-    "max_epochs": 12,  # 72 steps: room for 20 interruptions of a step or more each
+    "max_epochs": EPOCHS,
     "step_sleep": 0.05,
     "backup": {"every_n_train_steps": None, "exit_code": EXIT_CODE, "grace_seconds": 60},
 }
@@ -52,31 +51,25 @@ def _interrupt(tmp_path: Path, attempt: int, rng: random.Random) -> tuple[int, s
     spec = {"out": str(out), "n": N, "batch_size": 8, "backup_dir": str(tmp_path / "backups"), **SPEC}
     path = tmp_path / f"attempt{attempt}.json"
     path.write_text(json.dumps({**spec, "attempt": attempt}))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.helpers.backup_runs", str(path)],
-        cwd=REPO,
-        env=worker_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    ranks = Ranks("tests.helpers.backup_runs", [str(path)], 2)
     try:
         deadline = time.monotonic() + 120
         while _batches_logged(out, attempt) < 1:
-            assert proc.poll() is None, proc.communicate()[0][-4000:]
+            assert ranks.poll(), ranks.wait(30).output[-4000:]
             assert time.monotonic() < deadline, "the attempt never started training"
             time.sleep(0.01)
         time.sleep(rng.uniform(0.0, 0.15))
         rank = rng.randrange(2)  # Kubernetes signals one container's PID 1; SLURM may reach any rank first
         sig = rng.choice([signal.SIGTERM, signal.SIGUSR1])
         os.kill(int(Path(f"{out}.pid.rank{rank}").read_text()), sig)
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    return proc.returncode, output
+    except BaseException:
+        ranks.kill()
+        raise
+    run = ranks.wait(240)
+    return run.returncode, run.output
 
 
-@pytest.mark.timeout(1200)  # 21 launches of 2 processes, each several seconds of imports alone
+@pytest.mark.timeout(1200)  # 22 launches of 2 processes, each several seconds of imports alone
 def test_signals_at_twenty_random_moments_each_leave_a_backup_and_the_run_ends_exact(tmp_path: Path) -> None:
     train(tmp_path, "ref", SPEC)
     rng = random.Random(14)
@@ -89,12 +82,13 @@ def test_signals_at_twenty_random_moments_each_leave_a_backup_and_the_run_ends_e
         assert latest is not None
         steps.append(torch.load(latest, weights_only=False)["global_step"])
         assert len(steps) == 1 or steps[-1] > steps[-2], f"attempt {attempt} backed up no new step: {steps}"
-    assert steps[-1] < 72, "the interruptions reached the end of training; lengthen the run"
+    total = EPOCHS * N // 16
+    assert steps[-1] < total, "the interruptions reached the end of training; lengthen the run"
     resumed = train(tmp_path, "cut", {**SPEC, "backup_dir": str(tmp_path / "backups"), "attempt": SIGNALS})
     assert resumed["restored_from"] == str(store.latest())
-    assert resumed["global_step"] == 72
+    assert resumed["global_step"] == total
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
-    assert samples_per_epoch(tmp_path, "cut") == {epoch: list(range(N)) for epoch in range(12)}
+    assert samples_per_epoch(tmp_path, "cut") == {epoch: list(range(N)) for epoch in range(EPOCHS)}
 
 
 def test_preempted_at_an_epochs_end_by_a_run_that_resumed_mid_epoch_the_next_run_starts_the_next_epoch(
