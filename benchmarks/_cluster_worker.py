@@ -50,6 +50,7 @@ import ds_lightning
 from benchmarks import _workloads
 from benchmarks._auto_report import auto_reading
 from benchmarks.harness.timing import StepTimer
+from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.callbacks import DynamicLoadBalancer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
@@ -174,16 +175,10 @@ def fit_one(spec: dict[str, Any], data: Source) -> None:
         limits = {"max_steps": spec["steps"] + spec.get("warmup", 0)}
     else:
         limits = {"max_epochs": 100_000}  # the update budget ends the run, not the epochs
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=spec.get("devices", 1),
         strategy=_strategy(spec),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         default_root_dir=str(Path(spec["records"]).parent),
         callbacks=callbacks,
         **limits,

@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_lightning  # noqa: E402
+from benchmarks.harness.trainer import quiet_trainer  # noqa: E402
 from ds_lightning.callbacks import BackupAndRestore  # noqa: E402
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule  # noqa: E402
 
@@ -143,17 +144,11 @@ def main(spec_path: str) -> None:
     data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
     data.setup("fit")
     assert data.train_set is not None
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=spec.get("devices", 2),  # 1 per task in the namespace cluster, where TF_CONFIG gives the rest
         strategy=_strategy(spec),
         max_steps=spec["max_steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
     )
     loader = DataLoader(data.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)

@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ds_lightning
 from benchmarks import _workloads
 from benchmarks.harness.timing import StepTimer
+from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.callbacks import DynamicLoadBalancer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
@@ -133,16 +134,10 @@ def main(spec_path: str) -> None:
     limits: dict[str, Any] = {"max_epochs": spec["epochs"]}
     if spec.get("limit_train_batches"):
         limits["limit_train_batches"] = spec["limit_train_batches"]
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=ds_lightning.MirroredStrategy(timeout=spec["dist_timeout"]),
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[clock, balancer],
         **limits,
     )

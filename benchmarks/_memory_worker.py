@@ -30,6 +30,7 @@ import ds_lightning
 from benchmarks import _workloads
 from benchmarks._mirrored_worker import BenchModel
 from benchmarks.harness.timing import StepTimer
+from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.sharding import optimizer_state_bytes
 
 #: ``ZeroRedundancyOptimizer`` with ``parameters_as_bucket_view=True`` broadcasts a one-element fp32 tensor for a rank
@@ -77,14 +78,19 @@ def _unwrap(optimizer: Any) -> Any:
     return optimizer
 
 
+def make_optimizer(model_name: str, params: Any) -> torch.optim.Optimizer:
+    """Adam (digits) or AdamW (the GPT, as in the mirrored benchmark); the sharding-engines worker uses it too."""
+    if model_name == "gpt":
+        return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.Adam(params, lr=1e-3)
+
+
 class AdamModel(BenchModel):
-    """The workload's net under Adam (digits) or AdamW (the GPT, as in the mirrored benchmark)."""
+    """The workload's net under :func:`make_optimizer`'s optimizer."""
 
     @override
     def configure_optimizers(self):
-        if self.model_name == "gpt":
-            return torch.optim.AdamW(self.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
-        return torch.optim.Adam(self.parameters(), lr=1e-3)
+        return make_optimizer(self.model_name, self.parameters())
 
 
 class MemoryReading(Callback):
@@ -124,16 +130,11 @@ def main(spec_path: str) -> None:
     pl.seed_everything(0, verbose=False)
     workload = _workloads.build(spec["workload"], spec["hidden"])
     timer, reading = StepTimer(warmup=spec["warmup"]), MemoryReading()
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=spec["procs"],
         strategy=ds_lightning.MirroredStrategy(shard_optimizer_state=spec["sharded"]),
         max_steps=spec["warmup"] + spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[timer, reading],
     )
     loader = DataLoader(workload.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)

@@ -30,6 +30,7 @@ import ds_lightning
 from benchmarks import _workloads
 from benchmarks._auto_report import auto_reading
 from benchmarks.harness.timing import StepTimer
+from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.testing import free_port
 
 
@@ -67,16 +68,11 @@ def run_lightning(spec: dict[str, Any]) -> None:
     elif strategy == "ds_mirrored" and spec["compression"] != "none":
         strategy = ds_lightning.MirroredStrategy(gradient_compression=spec["compression"], powersgd_start_iter=2)
     timer = StepTimer(warmup=spec["warmup"])
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
         strategy=strategy,
         max_steps=spec["warmup"] + spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
         callbacks=[timer],
     )
     loader = DataLoader(workload.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import ds_lightning
 from benchmarks import _workloads
 from benchmarks.harness.timing import StepTimer
+from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
 
@@ -227,16 +228,10 @@ def main(spec_path: str) -> None:
     clock = StepClock()
     model, train_set, val, metric = make_model(spec)
     evaluator = Evaluator(spec["eval_every"], val, samples_per_update, metric)
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator="cpu",
         devices=workers,
         strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=[clock, Straggler(spec["slow_rank"], spec["delay_per_sample"], clock), evaluator],
         **limits,
     )

@@ -338,6 +338,7 @@ def run_ds(spec: dict[str, Any]) -> None:
 
     import ds_lightning
     from benchmarks.harness.timing import StepTimer
+    from benchmarks.harness.trainer import quiet_trainer
 
     class BenchModule(pl.LightningModule):
         def __init__(self) -> None:
@@ -388,17 +389,11 @@ def run_ds(spec: dict[str, Any]) -> None:
             trace_steps=spec["trace_steps"],
             timeout=float(spec["dist_timeout"]),
         )
-        trainer = pl.Trainer(
+        trainer = quiet_trainer(
             accelerator="cpu",
             devices=p,
             strategy=strategy,
             max_steps=spec["warmup"] + spec["steps"],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            limit_val_batches=0,
-            num_sanity_val_steps=0,
             default_root_dir=spec["out_dir"],
             callbacks=[timer],
         )

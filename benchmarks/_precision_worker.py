@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _workloads
 from benchmarks.harness.timing import StepTimer
+from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.callbacks import MixedPrecision
 from ds_lightning.demos import GPT, DigitsClassifier, DigitsDataModule
 
@@ -117,16 +118,10 @@ def main(spec_path: str) -> None:
     callbacks: list[Callback] = [timer]
     if spec["precision"] != "fp32":
         callbacks.append(MixedPrecision(spec["precision"]))
-    trainer = pl.Trainer(
+    trainer = quiet_trainer(
         accelerator=spec["accelerator"],
         devices=1,
         max_steps=spec["warmup"] + spec["steps"],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
         callbacks=callbacks,
     )
     if cuda:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks import harness
+from benchmarks import _sharding_common, harness
+from benchmarks._sharding_common import OPTIMIZERS
 from benchmarks.harness import fmt
-from benchmarks.memory import OPTIMIZERS
 
 QUICK = (
     "**A `--quick` smoke run** (1 repeat, a few steps): the bytes and the optimizer state are what a full run gives"
@@ -24,16 +24,14 @@ def report(data: dict[str, Any]) -> list[str]:
     s, st = data["summary"], data["settings"]
     model = data.get("workload", {}).get("model", "digits")
     label = data.get("workload_label") or "digits MLP"
-    params = next((v["first"]["parameters"] for a, v in s.items() if a in data["arms"] and v["first"]), None)
     rows = []
     for arm, title in data["arms"].items():
-        v, first = s[arm], s[arm]["first"] or {}
-        per_rank = " / ".join(f"{b / 1e6:.3f}" for b in first.get("state_bytes_ranks", []))
+        v = s[arm]
         parity = "(reference)" if arm.startswith("ddp_") else _parity(v["parity_max_abs"])
         rows.append(
             [
                 title,
-                per_rank or "-",
+                _sharding_common.per_rank_state(v["first"] or {}),
                 fmt(v["step_ms"], ".2f"),
                 fmt(v["allreduce_mb"], ".3f"),
                 fmt(v["broadcast_mb"], ".3f"),
@@ -44,20 +42,7 @@ def report(data: dict[str, Any]) -> list[str]:
                 parity,
             ]
         )
-    target_rows = [
-        [
-            t["engine"],
-            t["what"],
-            t["procs"],
-            fmt(t["ratio"], ".3f"),
-            f"<= {t['limit']:.2f}x" if t["limit"] is not None else "-",
-            f"**{t['verdict']}**" if t["verdict"] != "-" else "-",
-        ]
-        for t in s["targets"]
-    ]
-    failed = [f"{a}: {e}" for a in data["arms"] for e in s[a]["errors"]]
-    windows = f" windows of {data['workload'].get('block_size')} tokens" if model == "gpt" else ""
-    batch = f"{st['batch_size']}{windows}"
+    target_rows = [[t["engine"], t["what"], t["procs"], *_sharding_common.target_cells(t)] for t in s["targets"]]
     return [
         f"# Sharding engines on the {label}",
         "",
@@ -66,7 +51,8 @@ def report(data: dict[str, Any]) -> list[str]:
         " `ddp` (DistributedDataParallel, the whole optimizer on every rank), `zero` (DistributedDataParallel and"
         " torch's `ZeroRedundancyOptimizer`, wrapped as `ds_lightning.sharding` wraps it) and `fsdp` (FSDP2"
         " `fully_shard(reshard_after_forward=False)` on every transformer block or linear layer, then on the root);"
-        f" {OPTIMIZERS.get(model, '?')}; {f'{params:,}' if params else '?'} parameters; batch {batch} per process;"
+        f" {OPTIMIZERS.get(model, '?')}; {_sharding_common.parameters(data)} parameters;"
+        f" batch {_sharding_common.batch(data)} per process;"
         f" {st['warmup']} warm-up + {st['steps']} timed steps per run; {st['repeats']} interleaved repeat(s)."
         " Median [min - max] over repeats; each ratio is engine / `ddp` of the same process count and repeat.",
         *(["", QUICK] if st.get("quick") else []),
@@ -102,5 +88,5 @@ def report(data: dict[str, Any]) -> list[str]:
         " targets are judged on both; the ring model is the one that compares wire traffic.",
         "- Parity: the final parameters (whole; FSDP2's gathered) against the `ddp` run of the same repeat and process"
         " count, same seed and same batches; the largest absolute difference over the repeats.",
-        *(["", "Failed runs:", *(f"- {f}" for f in failed)] if failed else []),
+        *_sharding_common.failed(data),
     ]

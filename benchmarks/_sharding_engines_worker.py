@@ -42,17 +42,10 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _workloads
-from benchmarks._memory_worker import broadcast_bytes
+from benchmarks._memory_worker import broadcast_bytes, make_optimizer
 from ds_lightning.sharding import shard_optimizer
 
 ENGINES = ("ddp", "zero", "fsdp")
-
-
-def make_optimizer(model_name: str, params: Any) -> torch.optim.Optimizer:
-    """Adam (digits) or AdamW (the GPT), as the memory and mirrored benchmarks configure them."""
-    if model_name == "gpt":
-        return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    return torch.optim.Adam(params, lr=1e-3)
 
 
 def fsdp_units(net: nn.Sequential) -> list[nn.Module]:

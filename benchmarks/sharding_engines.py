@@ -28,9 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks import _sharding_engines_report, _workloads, harness
+from benchmarks import _sharding_common, _sharding_engines_report, _workloads, harness
+from benchmarks._sharding_common import BYTES_TARGET, STATE_TARGETS, STEP_TARGET, workload_label
 from benchmarks.harness import Arm, Experiment, Panel
-from benchmarks.memory import STATE_TARGETS, Memory, verdict, workload_label
 
 WORKER = Path(__file__).resolve().parent / "_sharding_engines_worker.py"
 ENGINES = {
@@ -39,8 +39,6 @@ ENGINES = {
     "fsdp": "FSDP2 fully_shard(reshard_after_forward=False)",
 }
 COLORS = {"ddp": "tab:blue", "zero": "tab:orange", "fsdp": "tab:green"}
-STEP_TARGET = 1.10
-BYTES_TARGET = 1.1
 BYTE_KEYS = ("allreduce_bytes", "broadcast_bytes", "allgather_bytes", "reducescatter_bytes")
 MB_KEYS = {
     "state_bytes_max": "state_mb_max",
@@ -108,36 +106,19 @@ def parity(records: list[dict[str, Any]], params: Mapping[tuple[str, int], torch
             r["parity_max_abs"] = float((mine - base).abs().max())
 
 
-def with_mb(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [
-        {**r, **{mb: r[b] / 1e6 for b, mb in MB_KEYS.items() if r.get(b) is not None}} if "error" not in r else r
-        for r in records
-    ]
-
-
 def targets(summary: Mapping[str, Any], procs: list[int]) -> list[dict[str, Any]]:
     """Every target's figure (engine / ddp per repeat) and verdict, per sharding engine and process count."""
     out = []
     for n in procs:
         for engine in ("zero", "fsdp"):
-            s = summary.get(arm_name(engine, n), {})
-            for what, key, limit in (
+            checks = (
                 ("optimizer-state bytes, largest rank", "state_mb_max", STATE_TARGETS.get(n)),
                 ("step time (rank 0's median)", "step_ms", STEP_TARGET),
                 ("payload handed to collectives, largest rank", "sent_mb_max", BYTES_TARGET),
                 ("bytes sent under a ring model, largest rank", "ring_mb_max", BYTES_TARGET),
-            ):
-                ratio = s.get(f"{key}_ratio")
-                out.append(
-                    {
-                        "engine": engine,
-                        "what": what,
-                        "procs": n,
-                        "ratio": ratio,
-                        "limit": limit,
-                        "verdict": verdict(ratio, limit),
-                    }
-                )
+            )
+            judged = _sharding_common.judged(summary.get(arm_name(engine, n), {}), n, checks)
+            out += [{"engine": engine, **t} for t in judged]
     return out
 
 
@@ -149,10 +130,10 @@ class ShardingEngines(harness.Benchmark):
     quick = {"repeats": 1}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        Memory().options(parser)  # the memory benchmark's options and defaults: the same workloads and runs
+        _sharding_common.add_options(parser)  # the memory benchmark's: the same workloads and runs
 
     def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
-        return Memory().meta(opts)
+        return _sharding_common.meta(opts)
 
     def experiment(self, opts: argparse.Namespace) -> Experiment:
         arms = [Arm(arm_name(e, n), {"procs": n, "engine": e}, f"{e}, {n} procs") for n in opts.procs for e in ENGINES]
@@ -178,44 +159,27 @@ class ShardingEngines(harness.Benchmark):
         return data
 
     def progress(self, record: dict[str, Any]) -> str:
-        return (
-            f"{record['step_ms']:.2f} ms/step, state {record['state_bytes_max'] / 1e6:.3f} MB,"
-            f" sent {record['sent_bytes_max'] / 1e6:.3f} MB/step (largest rank)"
-        )
+        return _sharding_common.progress(record)
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
-        records = with_mb(data["records"])
-        s: dict[str, Any] = harness.summarise(records, list(data["arms"]), SUMMARY_KEYS)
-        for n in data["settings"]["procs"]:
-            for engine in ("zero", "fsdp"):
-                arm = arm_name(engine, n)
-                if arm in s:
-                    for key in RATIO_KEYS:
-                        s[arm][f"{key}_ratio"] = harness.paired(records, arm, arm_name("ddp", n), key)
-        for arm in data["arms"]:
-            first = min(harness.ok(records, arm), key=lambda r: r["repeat"], default=None)
-            s[arm]["first"] = first
-        s["targets"] = targets(s, data["settings"]["procs"])
+        procs = data["settings"]["procs"]
+        pairs = [(arm_name(e, n), arm_name("ddp", n)) for n in procs for e in ("zero", "fsdp")]
+        s = _sharding_common.summarise(data, MB_KEYS, SUMMARY_KEYS, RATIO_KEYS, pairs)
+        s["targets"] = targets(s, procs)
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
         return _sharding_engines_report.report(data)
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        s = data["summary"]
-        path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
-        harness.bar_panels(
-            path,
-            {a: s[a] for a in data["arms"]},
-            [
-                Panel("state_mb_max", "optimizer state, largest rank (MB)", "state_mb_max_ratio"),
-                Panel("step_ms", "median step (ms)", "step_ms_ratio"),
-                Panel("ring_mb_max", "sent per step, ring model (MB, counted)", "ring_mb_max_ratio"),
-            ],
-            title=f"Sharding engines on the {workload_label(data)} (min-max over repeats)",
-            colors={a: COLORS[a.split("_")[0]] for a in data["arms"]},
+        return _sharding_common.plot(
+            self,
+            data,
+            out,
+            Panel("ring_mb_max", "sent per step, ring model (MB, counted)", "ring_mb_max_ratio"),
+            f"Sharding engines on the {workload_label(data)}",
+            {a: COLORS[a.split("_")[0]] for a in data["arms"]},
         )
-        return [path]
 
 
 if __name__ == "__main__":

@@ -17,9 +17,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from benchmarks import harness
 from benchmarks._memory_worker import broadcast_bytes, broadcasts_per_step
 from benchmarks._memory_worker import main as worker_main
+from benchmarks._sharding_common import verdict
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.memory import Memory, arm_name, reading_of, verdict
+from benchmarks.memory import Memory, arm_name, reading_of
 from ds_lightning.testing import free_port
 
 

@@ -18,6 +18,7 @@ from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
 
 MIRRORED = str(CONFIGS / "mirrored.yaml")
 STEPS, INTERVAL, START = 12, 4, 10
+BATCH = 120  # with the 1,438 training digits on 2 ranks: 6 steps an epoch
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "often", None])
@@ -50,14 +51,14 @@ def test_auto_compression_asks_for_the_flat_all_reduce_under_the_default_hierarc
     assert asked == [expected]
 
 
-def _fit(root: Path, out: Path, extra: list[str]) -> None:
+def _fit(root: Path, out: Path, extra: list[str], max_steps: int = STEPS) -> None:
     ds_train(
         [
             "fit",
             f"--config={MIRRORED}",
             *extra,
             *quiet_trainer_args(root),
-            f"--trainer.max_steps={STEPS}",
+            f"--trainer.max_steps={max_steps}",
             "--trainer.limit_val_batches=0",
             "--trainer.callbacks+=tests.helpers.callbacks.SaveParams",
             f"--trainer.callbacks.path={out}",
@@ -116,3 +117,54 @@ def test_auto_from_yaml_picks_none_on_loopback_and_matches_none(tmp_path):
     for state in saved["compression_states"]:
         assert state["name"] == "auto" and state["choice"] == "none" and state["step"] == STEPS
         assert state["figures"]["world_size"] == 2
+
+
+@pytest.mark.multiprocess
+def test_resume_restores_the_choice_and_the_probe_schedule(tmp_path):
+    """A run resumed from its epoch-0 checkpoint probes at the same steps and ends with the same params.
+
+    Only ``max_epochs`` bounds the runs: Lightning 2.6.6 stops a resume from an end-of-epoch checkpoint early when
+    ``max_steps`` and ``limit_train_batches`` are both set (docs/fault-tolerance.md, limits). The 1,438 training
+    digits split over 2 ranks are 719 per rank: batches of 120 make an epoch 6 steps, so 2 epochs are ``STEPS``.
+    """
+
+    def run(name: str, *extra: str) -> tuple[dict, dict]:
+        out, decisions = tmp_path / name / "params", tmp_path / name / "auto"
+        _fit(
+            tmp_path / name,
+            out,
+            [
+                "--trainer.max_epochs=2",
+                f"--data.batch_size={BATCH}",
+                "--trainer.strategy=ds_lightning.strategies.MirroredStrategy",
+                "--trainer.strategy.gradient_compression=auto",
+                f"--trainer.strategy.auto_interval={INTERVAL}",
+                f"--trainer.strategy.powersgd_start_iter={START}",
+                "--trainer.callbacks+=tests.helpers.callbacks.RecordAuto",
+                f"--trainer.callbacks.path={decisions}",
+                "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+                f"--trainer.callbacks.dirpath={tmp_path / name / 'ckpt'}",
+                "--trainer.callbacks.save_top_k=-1",
+                *extra,
+            ],
+            max_steps=-1,
+        )
+        record = json.loads(Path(f"{decisions}.rank0.json").read_text())
+        return torch.load(f"{out}.rank0.pt", weights_only=True), record
+
+    straight, straight_record = run("straight")
+    checkpoint = tmp_path / "straight" / "ckpt" / f"epoch=0-step={STEPS // 2}.ckpt"
+    assert checkpoint.exists(), sorted(p.name for p in checkpoint.parent.iterdir())
+    resumed, resumed_record = run("resumed", f"--ckpt_path={checkpoint}")
+
+    assert straight["global_step"] == resumed["global_step"] == STEPS
+    assert resumed["batches_this_run"] == STEPS // 2  # only the second epoch ran again
+    made = [(d["step"], d["probed"]) for d in straight_record["decisions"]]
+    assert made == [(0, True), (4, True), (8, True), (10, False)]
+    # The set-up decision (made before the checkpoint loads), then the saved run's schedule from step 6 on. A step
+    # count that restarted at 0 would probe at its step 4 instead and never reach START.
+    assert [(d["step"], d["probed"]) for d in resumed_record["decisions"]] == [(0, True), *made[2:]]
+    assert straight_record["step"] == resumed_record["step"] == STEPS
+    assert straight_record["choice"] == resumed_record["choice"] == "none"
+    for name, value in straight["state_dict"].items():
+        assert_close(resumed["state_dict"][name], value, atol=1e-6, rtol=1e-6)
