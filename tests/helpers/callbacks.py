@@ -14,9 +14,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ds_lightning.sharding import optimizer_state_bytes
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class SaveParams(Callback):
@@ -30,7 +35,8 @@ class SaveParams(Callback):
         self.batches += 1
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        # FSDP2 holds DTensor shards: gather each whole (a collective, and every rank ends training here).
+        state = {k: _whole(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
         out = {
             "state_dict": state,
             "global_step": trainer.global_step,
