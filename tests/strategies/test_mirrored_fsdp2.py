@@ -123,9 +123,16 @@ def test_resumes_at_world_size_1_across_engines(runs, tmp_path):
     assert record(tmp_path / "fsdp2" / "params", 0)["state_bytes"] == whole  # one rank holds all of it
 
 
-def test_gradient_accumulation_matches_plain(tmp_path):
-    """Under accumulation FSDP2 skips the reduce-scatter of every micro-batch but the window's last."""
-    extra = ["--trainer.accumulate_grad_batches=2", "--trainer.max_steps=6"]
+def test_accumulation_clipping_and_validation_match_plain(tmp_path):
+    """Under accumulation FSDP2 skips the reduce-scatter of every micro-batch but the window's last; clipping takes the
+    norm over every rank's shards; validation between steps leaves the parameters gathered, and training goes on."""
+    extra = [
+        "--trainer.accumulate_grad_batches=2",
+        "--trainer.max_steps=6",
+        "--trainer.gradient_clip_val=0.05",
+        "--trainer.limit_val_batches=2",
+        "--trainer.val_check_interval=4",  # batches: after steps 2 and 4
+    ]
     for name, engine in (("plain", []), ("fsdp2", [FSDP2])):
         shard = bool(engine)
         ds_train(fit_args(tmp_path / name, tmp_path / name / "params", 1, shard, [*extra, *engine]), ranks=2)
