@@ -251,3 +251,24 @@ class RecordOptimizerState(Callback):
             "local_lr": float(local.param_groups[0]["lr"]),
         }
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class RecordGradientSync(Callback):
+    """Counts, per rank, the calls that switch FSDP2's gradient synchronisation off and on (the sharded
+    LightningModule's ``set_requires_gradient_sync``); writes them as JSON to ``{path}.rank{R}.json`` at the end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.calls = {"off": 0, "on": 0}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        real = pl_module.set_requires_gradient_sync  # AttributeError unless fully_shard ran on the module
+
+        def counting(requires_gradient_sync: bool, **kwargs: Any) -> None:
+            self.calls["on" if requires_gradient_sync else "off"] += 1
+            real(requires_gradient_sync, **kwargs)
+
+        pl_module.set_requires_gradient_sync = counting
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(self.calls))

@@ -133,11 +133,16 @@ def test_accumulation_clipping_and_validation_match_plain(tmp_path):
         "--trainer.limit_val_batches=2",
         "--trainer.val_check_interval=4",  # batches: after steps 2 and 4
     ]
-    for name, engine in (("plain", []), ("fsdp2", [FSDP2])):
+    syncs = tmp_path / "syncs"
+    counted = [FSDP2, "--trainer.callbacks+=tests.helpers.callbacks.RecordGradientSync"]
+    counted.append(f"--trainer.callbacks.path={syncs}")
+    for name, engine in (("plain", []), ("fsdp2", counted)):
         shard = bool(engine)
         ds_train(fit_args(tmp_path / name, tmp_path / name / "params", 1, shard, [*extra, *engine]), ranks=2)
     plain, sharded = params(tmp_path / "plain" / "params", 0), params(tmp_path / "fsdp2" / "params", 0)
     assert plain["global_step"] == sharded["global_step"] == 6
     assert plain["batches_this_run"] == sharded["batches_this_run"] == 12
+    # The first micro-batch of each window ran without gradient synchronisation, on every rank.
+    assert [record(syncs, r) for r in range(2)] == [{"off": 6, "on": 6}] * 2
     for name, value in plain["state_dict"].items():
         assert_close(sharded["state_dict"][name], value, atol=1e-5, rtol=1e-5)
