@@ -1,15 +1,17 @@
 """One memory-benchmark run: ds_mirrored, plain or with ``shard_optimizer_state=True``, on N CPU processes.
 
-Started by ``benchmarks/memory.py`` with a JSON spec (``procs``, ``sharded``, the ``"workload"``: the digits MLP under
-Adam, or the GPT under AdamW; ``benchmarks/_workloads.py``). Lightning's launcher runs this script once per rank. At
-the end of training every rank reads its own figures (optimizer-state bytes, peak RSS, the bytes it hands to the
-gradient all-reduce and, sharded, to ``ZeroRedundancyOptimizer``'s parameter broadcasts); rank 0 gathers them (a
+Started by ``benchmarks/memory.py`` with a JSON spec (``procs``, ``sharded``, ``engine``: ``"zero"`` or ``"fsdp2"``,
+the ``"workload"``: the digits MLP under Adam, or the GPT under AdamW; ``benchmarks/_workloads.py``). Lightning's
+launcher runs this script once per rank. At the end of training every rank reads its own figures (optimizer-state
+bytes, peak RSS, the bytes it hands to the gradient all-reduce and, under ``zero``, to ``ZeroRedundancyOptimizer``'s
+parameter broadcasts, or under ``fsdp2`` to FSDP2's all-gathers and reduce-scatters); rank 0 gathers them (a
 collective every rank joins) and writes ``result.json`` with its step times.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import resource
 import sys
 from collections.abc import Mapping, Sequence
@@ -20,6 +22,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -63,6 +66,24 @@ def broadcast_bytes(partition: Sequence[Sequence[Mapping[str, Any]]], bucket_vie
         else:
             out.append(sum(p.numel() * p.element_size() for p in params))
     return out
+
+
+def padded_shard_bytes(shape: torch.Size, element_size: int, world: int) -> int:
+    """Bytes of one rank's FSDP2 shard of a parameter: dim 0 padded up to a multiple of ``world``, split evenly."""
+    rows = math.ceil(shape[0] / world) if len(shape) else 1
+    return rows * math.prod(shape[1:]) * element_size
+
+
+def fsdp_bytes(params: list[torch.Tensor], world: int) -> tuple[int, int]:
+    """Bytes this rank hands per step to FSDP2's all-gathers and reduce-scatters: ``(all-gather, reduce-scatter)``.
+
+    With ``reshard_after_forward=False`` each group's parameters are all-gathered once per step (in the forward; they
+    stay whole through the backward) and its gradients reduce-scattered once (in the backward). A rank's all-gather
+    input is its padded shard of every parameter; its reduce-scatter input is every gradient whole, padded (``world``
+    padded shards). Counted from the sharded parameters' global shapes; not a measurement.
+    """
+    shard = sum(padded_shard_bytes(p.shape, p.element_size(), world) for p in params if p.requires_grad)
+    return shard, world * shard
 
 
 def broadcasts_per_step(partition: Sequence[Sequence[Mapping[str, Any]]], bucket_view: bool = False) -> int:
@@ -110,13 +131,17 @@ class MemoryReading(Callback):
             calls = broadcasts_per_step(partition, bucket_view)
         else:
             sent, calls = 0, 0
+        fsdp2 = isinstance(trainer.strategy.model, FSDPModule)
+        gather, scatter = fsdp_bytes(list(pl_module.parameters()), world) if fsdp2 else (0, 0)
         mine = {
             "rank": rank,
             "optimizer_class": type(optimizer).__name__,
             "state_bytes": optimizer_state_bytes(optimizer),
-            "grad_bytes": float(trainer.strategy.comm_bytes_per_step),
+            "grad_bytes": 0.0 if fsdp2 else float(trainer.strategy.comm_bytes_per_step),
             "broadcast_bytes": sent,
             "broadcast_calls": calls,
+            "allgather_bytes": gather,
+            "reducescatter_bytes": scatter,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
         }
         gathered: list[Any] = [None] * world
@@ -133,7 +158,9 @@ def main(spec_path: str) -> None:
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=spec["procs"],
-        strategy=ds_lightning.MirroredStrategy(shard_optimizer_state=spec["sharded"]),
+        strategy=ds_lightning.MirroredStrategy(
+            shard_optimizer_state=spec["sharded"], sharding_engine=spec.get("engine", "zero")
+        ),
         max_steps=spec["warmup"] + spec["steps"],
         callbacks=[timer, reading],
     )

@@ -60,6 +60,23 @@ def workload_label(data: dict[str, Any]) -> str:
     return data.get("workload_label") or _workloads.label({"model": "digits"}, data["settings"].get("hidden"))
 
 
+def ring_bytes(rank: Mapping[str, Any], world: int) -> float:
+    """Bytes a rank sends per step if every collective ran as a ring, its broadcasts counted once from the owner.
+
+    ``rank`` holds its payloads: ``allreduce_bytes``, ``broadcast_bytes``, ``allgather_bytes`` (its shard) and
+    ``reducescatter_bytes`` (the whole input). A ring all-reduce of B bytes sends 2(N-1)/N B per rank; a ring
+    all-gather of a B/N shard sends (N-1) B/N; a ring reduce-scatter of a B input sends (N-1)/N B. A broadcast's owner
+    sends its payload at least once (a lower bound: a one-to-all broadcast sends it N-1 times).
+    """
+    n = world
+    return (
+        2 * (n - 1) / n * rank["allreduce_bytes"]
+        + rank["broadcast_bytes"]
+        + (n - 1) * rank["allgather_bytes"]
+        + (n - 1) / n * rank["reducescatter_bytes"]
+    )
+
+
 def verdict(ratio: Mapping[str, Any] | None, limit: float | None) -> str:
     """``PASS`` when the median ratio is within ``limit``, ``MISS`` when not, ``-`` with no figure or no target."""
     if ratio is None or limit is None:

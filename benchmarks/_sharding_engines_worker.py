@@ -7,8 +7,9 @@ the ranks (gloo, 1 thread each), and each trains the same batches from the same 
 - ``ddp``: ``DistributedDataParallel`` and the whole optimizer on every rank;
 - ``zero``: ``DistributedDataParallel`` and torch's ``ZeroRedundancyOptimizer``, wrapped exactly as
   ``ds_lightning.sharding.shard_optimizer`` wraps it;
-- ``fsdp``: FSDP2, ``fully_shard(reshard_after_forward=False)`` on every transformer block (the GPT) or linear layer
-  (the MLP), then on the root, and the optimizer over the sharded parameters.
+- ``fsdp``: FSDP2, ``fully_shard(reshard_after_forward=False)`` on each of ``ds_lightning.sharding.fsdp2.shard_units``
+  (the MLP's linear layers; the GPT's embedding, blocks, last norm and head), then on the root, and the optimizer over
+  the sharded parameters: the units ``MirroredStrategy(sharding_engine="fsdp2")`` shards.
 
 At the end every rank reads its figures (optimizer-state bytes, counted bytes sent per step, peak RSS); rank 0
 gathers them (a collective every rank joins) and writes ``result.json`` with its step times, and, when the spec names a
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import resource
 import statistics
@@ -42,16 +42,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _workloads
-from benchmarks._memory_worker import broadcast_bytes, make_optimizer
+from benchmarks._memory_worker import broadcast_bytes, fsdp_bytes, make_optimizer, padded_shard_bytes
 from ds_lightning.sharding import shard_optimizer
+from ds_lightning.sharding.fsdp2 import shard_units
+
+__all__ = ["ENGINES", "fsdp_bytes", "padded_shard_bytes", "state_bytes", "train"]
 
 ENGINES = ("ddp", "zero", "fsdp")
-
-
-def fsdp_units(net: nn.Sequential) -> list[nn.Module]:
-    """The modules ``fully_shard`` wraps before the root: the GPT's blocks, or the MLP's linear layers."""
-    blocks = [m for m in net if type(m).__name__ == "_Block"]
-    return blocks or [m for m in net if isinstance(m, nn.Linear)]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -65,24 +62,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
             if isinstance(value, torch.Tensor):
                 total += value.numel() * value.element_size()
     return total
-
-
-def padded_shard_bytes(shape: torch.Size, element_size: int, world: int) -> int:
-    """Bytes of one rank's FSDP2 shard of a parameter: dim 0 padded up to a multiple of ``world``, split evenly."""
-    rows = math.ceil(shape[0] / world) if len(shape) else 1
-    return rows * math.prod(shape[1:]) * element_size
-
-
-def fsdp_bytes(params: list[torch.Tensor], world: int) -> tuple[int, int]:
-    """Bytes this rank hands per step to FSDP2's all-gathers and reduce-scatters: ``(all-gather, reduce-scatter)``.
-
-    With ``reshard_after_forward=False`` each group's parameters are all-gathered once per step (in the forward; they
-    stay whole through the backward) and its gradients reduce-scattered once (in the backward). A rank's all-gather
-    input is its padded shard of every parameter; its reduce-scatter input is every gradient whole, padded (``world``
-    padded shards). Counted from the sharded parameters' global shapes; not a measurement.
-    """
-    shard = sum(padded_shard_bytes(p.shape, p.element_size(), world) for p in params if p.requires_grad)
-    return shard, world * shard
 
 
 def _batches(workload: _workloads.Workload, spec: dict[str, Any], rank: int):
@@ -101,7 +80,7 @@ def _wrap(engine: str, workload: _workloads.Workload, model_name: str, world: in
     trainable = [p for p in net.parameters() if p.requires_grad]
     grad = sum(p.numel() * p.element_size() for p in trainable)
     if engine == "fsdp":
-        for unit in fsdp_units(net):
+        for unit in shard_units(net):
             fully_shard(unit, reshard_after_forward=False)
         fully_shard(net, reshard_after_forward=False)
         gather, scatter = fsdp_bytes(list(net.parameters()), world)

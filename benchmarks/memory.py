@@ -3,15 +3,17 @@
 Every arm runs ``ds_mirrored`` on N CPU processes (gloo, 1 thread each; ``--procs``, 2 and 4) and trains the
 ``--model`` workload (``benchmarks/_workloads.py``): the 64-1024-1024-10 MLP on the digits under Adam (batch 32 per
 process), or the byte-level GPT on the standard library's text under AdamW (batch 8 windows of 128 tokens per
-process); plain and sharded at each N, interleaved and repeated by the harness. Read at the end of each run, on every
-rank: the optimizer-state bytes it holds (``ds_lightning.sharding.optimizer_state_bytes``), the bytes it hands per step
-to the gradient all-reduce (``comm_bytes_per_step``) and, sharded, to ``ZeroRedundancyOptimizer``'s parameter
-broadcasts (counted from the parameters it owns), and its peak RSS; rank 0's median step time. Targets (issue 16,
-sharded / plain of the same repeat, the largest rank's figure): optimizer state <= 0.55x at 2 ranks and <= 0.30x at
-4; step time <= 1.10x; bytes sent per step <= 1.1x.
+process); plain and sharded at each N, under each ``--engines`` (``sharding_engine``: ``zero``, ``fsdp2``),
+interleaved and repeated by the harness. Read at the end of each run, on every rank: the optimizer-state bytes it holds
+(``ds_lightning.sharding.optimizer_state_bytes``), the bytes it hands per step to the gradient all-reduce
+(``comm_bytes_per_step``), under ``zero`` to ``ZeroRedundancyOptimizer``'s parameter broadcasts (counted from the
+parameters it owns), under ``fsdp2`` to FSDP2's all-gathers and reduce-scatters (counted from the shards), and its peak
+RSS; rank 0's median step time. Targets (issue 16, sharded / plain of the same repeat, the largest rank's figure):
+optimizer state <= 0.55x at 2 ranks and <= 0.30x at 4; step time <= 1.10x; bytes sent per step <= 1.1x (payloads
+handed, and under the ring model of ``benchmarks/sharding_engines.py``).
 
     python benchmarks/memory.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
-        [--procs 2 4] [--steps 100] [--warmup 10] [--batch-size 32] [--gpt-layers 4 --gpt-heads 4 ...]
+        [--procs 2 4] [--engines zero fsdp2] [--steps 100] [--warmup 10] [--batch-size 32] [--gpt-layers 4 ...]
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _sharding_common, _workloads, harness
-from benchmarks._sharding_common import OPTIMIZERS, STATE_TARGETS, workload_label
+from benchmarks._sharding_common import BYTES_TARGET, OPTIMIZERS, STATE_TARGETS, ring_bytes, workload_label
 from benchmarks.harness import Arm, Experiment, Panel, fmt
 
 WORKER = Path(__file__).resolve().parent / "_memory_worker.py"
@@ -37,13 +39,21 @@ MB_KEYS = {
     "grad_bytes": "grad_mb",
     "broadcast_bytes_max": "broadcast_mb_max",
     "sent_bytes_max": "sent_mb_max",
+    "ring_bytes_max": "ring_mb_max",
+    "fsdp_bytes_max": "fsdp_mb_max",
 }
 SUMMARY_KEYS = ["step_ms", *MB_KEYS.values(), "rss_mb_max"]
-RATIO_KEYS = ["step_ms", "state_mb_max", "sent_mb_max", "rss_mb_max"]
+RATIO_KEYS = ["step_ms", "state_mb_max", "sent_mb_max", "ring_mb_max", "rss_mb_max"]
+ENGINES = ("zero", "fsdp2")
 
 
-def arm_name(sharded: bool, procs: int) -> str:
-    return f"{'sharded' if sharded else 'plain'}_p{procs}"
+def arm_name(sharded: bool, procs: int, engine: str = "zero") -> str:
+    """``plain_pN``; ``sharded_pN`` under the zero engine (the name older results carry); ``fsdp2_pN``."""
+    return f"{'plain' if not sharded else 'sharded' if engine == 'zero' else engine}_p{procs}"
+
+
+def arm_title(sharded: bool, procs: int, engine: str = "zero") -> str:
+    return f"{'plain' if not sharded else 'sharded' if engine == 'zero' else 'sharded fsdp2'}, {procs} procs"
 
 
 def reading_of(result: Mapping[str, Any]) -> dict[str, Any]:
@@ -52,6 +62,17 @@ def reading_of(result: Mapping[str, Any]) -> dict[str, Any]:
     state = [r["state_bytes"] for r in ranks]
     sent = [r["grad_bytes"] + r["broadcast_bytes"] for r in ranks]
     rss = [r["peak_rss_mb"] for r in ranks]
+    fsdp = [r.get("allgather_bytes", 0) + r.get("reducescatter_bytes", 0) for r in ranks]
+    sent = [s + f for s, f in zip(sent, fsdp, strict=True)]
+    payloads = [
+        {
+            "allreduce_bytes": r["grad_bytes"],
+            "broadcast_bytes": r["broadcast_bytes"],
+            "allgather_bytes": r.get("allgather_bytes", 0),
+            "reducescatter_bytes": r.get("reducescatter_bytes", 0),
+        }
+        for r in ranks
+    ]
     return {
         "step_ms": result["median_step_ms"],
         "parameters": result.get("parameters"),
@@ -65,22 +86,27 @@ def reading_of(result: Mapping[str, Any]) -> dict[str, Any]:
         "broadcast_calls": ranks[0]["broadcast_calls"],
         "sent_bytes_ranks": sent,
         "sent_bytes_max": max(sent),
+        "fsdp_bytes_max": max(fsdp),
+        "ring_bytes_max": max(ring_bytes(p, len(ranks)) for p in payloads),
         "rss_mb_ranks": rss,
         "rss_mb_max": max(rss),
     }
 
 
-def targets(summary: Mapping[str, Any], procs: list[int]) -> list[dict[str, Any]]:
-    """Every target's figure (sharded / plain per repeat) and verdict, per process count."""
+def targets(summary: Mapping[str, Any], procs: list[int], engines: list[str]) -> list[dict[str, Any]]:
+    """Every target's figure (sharded / plain per repeat) and verdict, per engine and process count."""
     out = []
-    for n in procs:
-        checks = (
-            ("optimizer-state bytes, largest rank", "state_mb_max", STATE_TARGETS.get(n)),
-            ("step time (rank 0's median)", "step_ms", _sharding_common.STEP_TARGET),
-            ("bytes sent per step, largest rank", "sent_mb_max", _sharding_common.BYTES_TARGET),
-            ("peak RSS, largest rank (no target)", "rss_mb_max", None),
-        )
-        out += _sharding_common.judged(summary.get(arm_name(True, n), {}), n, checks)
+    for engine in engines:
+        prefix = "" if engine == "zero" else f"{engine}: "
+        for n in procs:
+            checks = (
+                (f"{prefix}optimizer-state bytes, largest rank", "state_mb_max", STATE_TARGETS.get(n)),
+                (f"{prefix}step time (rank 0's median)", "step_ms", _sharding_common.STEP_TARGET),
+                (f"{prefix}bytes sent per step, largest rank", "sent_mb_max", BYTES_TARGET),
+                (f"{prefix}bytes sent under a ring model, largest rank", "ring_mb_max", BYTES_TARGET),
+                (f"{prefix}peak RSS, largest rank (no target)", "rss_mb_max", None),
+            )
+            out += _sharding_common.judged(summary.get(arm_name(True, n, engine), {}), n, checks)
     return out
 
 
@@ -93,19 +119,19 @@ class Memory(harness.Benchmark):
 
     def options(self, parser: argparse.ArgumentParser) -> None:
         _sharding_common.add_options(parser)
+        parser.add_argument(
+            "--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="sharding engines (zero fsdp2)"
+        )
 
     def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
         return _sharding_common.meta(opts)
 
     def experiment(self, opts: argparse.Namespace) -> Experiment:
         arms = [
-            Arm(
-                arm_name(sharded, n),
-                {"procs": n, "sharded": sharded},
-                f"{'sharded' if sharded else 'plain'}, {n} procs",
-            )
+            Arm(arm_name(sharded, n, engine), {"procs": n, "sharded": sharded, "engine": engine}, title)
             for n in opts.procs
-            for sharded in (False, True)
+            for sharded, engine in ((False, "zero"), *((True, e) for e in opts.engines))
+            for title in [arm_title(sharded, n, engine)]
         ]
         return Experiment(arms, opts.repeats)
 
@@ -120,9 +146,10 @@ class Memory(harness.Benchmark):
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
         procs = data["settings"]["procs"]  # sharded over plain of the same process count, per repeat
-        pairs = [(arm_name(True, n), arm_name(False, n)) for n in procs]
+        engines = data["settings"].get("engines", ["zero"])  # results from before fsdp2: zero only
+        pairs = [(arm_name(True, n, e), arm_name(False, n)) for n in procs for e in engines]
         s = _sharding_common.summarise(data, MB_KEYS, SUMMARY_KEYS, RATIO_KEYS, pairs)
-        s["targets"] = targets(s, procs)
+        s["targets"] = targets(s, procs, engines)
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
@@ -138,7 +165,9 @@ class Memory(harness.Benchmark):
                     fmt(v["step_ms"], ".2f"),
                     fmt(v["grad_mb"], ".3f"),
                     fmt(v["broadcast_mb_max"], ".3f"),
+                    fmt(v.get("fsdp_mb_max"), ".3f"),
                     fmt(v["sent_mb_max"], ".3f"),
+                    fmt(v.get("ring_mb_max"), ".3f"),
                     fmt(v["rss_mb_max"], ".0f"),
                 ]
             )
@@ -146,8 +175,9 @@ class Memory(harness.Benchmark):
         return [
             f"# Optimizer-state sharding on the {workload_label(data)}",
             "",
-            "`MirroredStrategy(shard_optimizer_state=True)` (ZeRO stage 1 on torch's `ZeroRedundancyOptimizer`)"
-            f" against plain `ds_mirrored`, on {' and '.join(str(n) for n in st['procs'])} CPU processes (gloo,"
+            "`MirroredStrategy(shard_optimizer_state=True)` (`sharding_engine='zero'`: ZeRO stage 1 on torch's"
+            " `ZeroRedundancyOptimizer`; `'fsdp2'`: torch's `fully_shard`, where run) against plain `ds_mirrored`,"
+            f" on {' and '.join(str(n) for n in st['procs'])} CPU processes (gloo,"
             f" 1 thread each); {OPTIMIZERS.get(model, '?')}; {_sharding_common.parameters(data)} parameters; batch"
             f" {_sharding_common.batch(data)} per process;"
             f" {st['warmup']} warm-up + {st['steps']} timed steps per run; {st['repeats']} interleaved"
@@ -161,7 +191,9 @@ class Memory(harness.Benchmark):
                     "step (ms)",
                     "gradient all-reduce (MB/step/rank)",
                     "parameter broadcast (MB/step, largest rank)",
+                    "FSDP2 all-gather + reduce-scatter (MB/step, largest rank)",
                     "sent (MB/step, largest rank)",
+                    "ring model (MB/step, largest rank)",
                     "peak RSS (MB, largest rank)",
                 ],
                 rows,
@@ -175,8 +207,12 @@ class Memory(harness.Benchmark):
             "- Bytes sent are **counted from the collectives' payloads, not measured on a wire**: the gradient"
             " all-reduce's payload (`comm_bytes_per_step`) plus, sharded, the parameters a rank broadcasts as their"
             " owner after its step (torch's `ZeroRedundancyOptimizer` broadcasts every parameter from its owner rank,"
-            f" {calls_of(s, data['arms'])} broadcasts per step that every rank joins). How many times a payload"
-            " crosses a link depends on the collective's algorithm.",
+            f" {calls_of(s, data['arms'])} broadcasts per step that every rank joins) or, under fsdp2, the"
+            " all-gather input (the rank's padded shard of every parameter, once per step with"
+            " `reshard_after_forward=False`) plus the reduce-scatter input (every gradient whole, padded). How many"
+            " times a payload crosses a link depends on the collective's algorithm; the ring model counts what a ring"
+            " sends: 2(N-1)/N of an all-reduce, (N-1) shards of an all-gather, (N-1)/N of a reduce-scatter, a"
+            " broadcast once from its owner (a lower bound for zero).",
             "- Peak RSS is each rank's `ru_maxrss` at the end of training: coarse (Python, torch and the data included;"
             " rank 0 also launches the others).",
             *_sharding_common.failed(data),
@@ -189,7 +225,10 @@ class Memory(harness.Benchmark):
             out,
             Panel("sent_mb_max", "sent per step, largest rank (MB, counted)", "sent_mb_max_ratio"),
             f"Optimizer-state sharding on the {workload_label(data)}",
-            {a: "tab:orange" if a.startswith("sharded") else "tab:blue" for a in data["arms"]},
+            {
+                a: "tab:orange" if a.startswith("sharded") else "tab:green" if a.startswith("fsdp2") else "tab:blue"
+                for a in data["arms"]
+            },
         )
 
 

@@ -6,10 +6,11 @@ Plain torch training loops, no Lightning (``benchmarks/_sharding_engines_worker.
 windows of 128 tokens per process). Three engines at each N, interleaved and repeated by the harness: ``ddp``
 (DistributedDataParallel, the whole optimizer on every rank), ``zero`` (DistributedDataParallel and torch's
 ``ZeroRedundancyOptimizer``, as ``ds_lightning.sharding`` wraps it) and ``fsdp`` (FSDP2 ``fully_shard`` with
-``reshard_after_forward=False`` on every block or linear layer, then the root). Read per run: every rank's
-optimizer-state bytes and counted bytes sent per step, rank 0's median step, and the largest difference of the final
-parameters from the ``ddp`` run of the same repeat (same seed, same batches). Issue 16's targets, engine / ddp of
-the same repeat: state <= 0.55x at 2 ranks and <= 0.30x at 4, step time <= 1.10x, bytes sent <= 1.1x.
+``reshard_after_forward=False`` on the units ``MirroredStrategy(sharding_engine="fsdp2")`` shards, then the root).
+Read per run: every rank's optimizer-state bytes and counted bytes sent per step, rank 0's median step, and the
+largest difference of the final parameters from the ``ddp`` run of the same repeat (same seed, same batches). Issue
+16's targets, engine / ddp of the same repeat: state <= 0.55x at 2 ranks and <= 0.30x at 4, step time <= 1.10x,
+bytes sent <= 1.1x.
 
     python benchmarks/sharding_engines.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
         [--procs 2 4] [--steps 100] [--warmup 10] [--batch-size 32] [--gpt-layers 4 --gpt-heads 4 ...]
@@ -29,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import _sharding_common, _sharding_engines_report, _workloads, harness
-from benchmarks._sharding_common import BYTES_TARGET, STATE_TARGETS, STEP_TARGET, workload_label
+from benchmarks._sharding_common import BYTES_TARGET, STATE_TARGETS, STEP_TARGET, ring_bytes, workload_label
 from benchmarks.harness import Arm, Experiment, Panel
 
 WORKER = Path(__file__).resolve().parent / "_sharding_engines_worker.py"
@@ -52,22 +53,6 @@ RATIO_KEYS = ["step_ms", "state_mb_max", "sent_mb_max", "ring_mb_max"]
 
 def arm_name(engine: str, procs: int) -> str:
     return f"{engine}_p{procs}"
-
-
-def ring_bytes(rank: Mapping[str, Any], world: int) -> float:
-    """Bytes a rank sends per step if every collective ran as a ring, its broadcasts counted once from the owner.
-
-    A ring all-reduce of B bytes sends 2(N-1)/N B per rank; a ring all-gather of a B/N shard sends (N-1) B/N; a ring
-    reduce-scatter of a B input sends (N-1)/N B. A broadcast's owner sends its payload at least once (a lower bound:
-    a one-to-all broadcast sends it N-1 times).
-    """
-    n = world
-    return (
-        2 * (n - 1) / n * rank["allreduce_bytes"]
-        + rank["broadcast_bytes"]
-        + (n - 1) * rank["allgather_bytes"]
-        + (n - 1) / n * rank["reducescatter_bytes"]
-    )
 
 
 def reading_of(result: Mapping[str, Any]) -> dict[str, Any]:

@@ -56,7 +56,14 @@ IMPORTED: list[tuple[str, str, tuple[int, int]]] = [
 ]
 
 # Instance attributes read or set on Lightning objects (they exist only once the object is built).
-STRATEGY_ATTRIBUTES = ["_timeout", "_num_nodes", "_process_group_backend", "_launcher", "_precision_plugin"]
+STRATEGY_ATTRIBUTES = [
+    "_timeout",
+    "_num_nodes",
+    "_process_group_backend",
+    "_launcher",
+    "_precision_plugin",
+    "_forward_redirection",  # ds_mirrored's fsdp2 engine routes steps through the sharded root's __call__
+]
 
 
 def _resolve(module: str, path: str) -> Any:

@@ -1,5 +1,6 @@
-"""Optimizer-state sharding (ZeRO stage 1) for ``ds_mirrored``, on torch's ``ZeroRedundancyOptimizer``."""
+"""Optimizer-state sharding for ``ds_mirrored``: ``zero`` (torch's ``ZeroRedundancyOptimizer``) or ``fsdp2``."""
 
+from ds_lightning.sharding.fsdp2 import SHARDING_ENGINES, ShardingEngine, check_sharding_engine
 from ds_lightning.sharding.zero import (
     check_shardable,
     check_sharding_options,
@@ -11,7 +12,10 @@ from ds_lightning.sharding.zero import (
 )
 
 __all__ = [
+    "SHARDING_ENGINES",
+    "ShardingEngine",
     "check_shardable",
+    "check_sharding_engine",
     "check_sharding_options",
     "consolidated_state",
     "load_sharded_states",

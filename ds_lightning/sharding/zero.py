@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 __all__ = [
@@ -198,13 +199,13 @@ def load_sharded_states(optimizers: Sequence[Optimizer], states: Sequence[dict[s
 
 
 def optimizer_state_bytes(optimizer: Optimizer) -> int:
-    """Bytes of the optimizer-state tensors this rank holds (its shard under sharding)."""
+    """Bytes of the optimizer-state tensors this rank holds (ZeRO: its partition; FSDP2: its ``DTensor`` shards)."""
     while hasattr(optimizer, "_optimizer"):  # Lightning's LightningOptimizer
         optimizer = optimizer._optimizer
     state = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
-    return sum(
-        value.numel() * value.element_size()
+    local = (
+        value.to_local() if isinstance(value, DTensor) else value
         for per_param in state.values()
         for value in (per_param.values() if isinstance(per_param, dict) else ())
-        if isinstance(value, torch.Tensor)
     )
+    return sum(value.numel() * value.element_size() for value in local if isinstance(value, torch.Tensor))

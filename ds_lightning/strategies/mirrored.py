@@ -28,7 +28,15 @@ from ds_lightning.comm.auto import AutoState
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
 from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
 from ds_lightning.data.even_batches import even_batches
-from ds_lightning.sharding import check_sharding_options, consolidated_state, load_sharded_states, shard_optimizers
+from ds_lightning.sharding import (
+    ShardingEngine,
+    check_sharding_engine,
+    check_sharding_options,
+    consolidated_state,
+    load_sharded_states,
+    shard_optimizers,
+)
+from ds_lightning.strategies._fsdp2 import FullyShardedSteps
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 
@@ -41,7 +49,7 @@ _STATEFUL = ("powersgd", "auto")  # compressions whose per-rank state the checkp
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|pair closure|connection closed|connection reset", re.IGNORECASE)
 
 
-class MirroredStrategy(ClusterStrategy):
+class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
     """Synchronous data parallelism: every device holds a full replica and gradients are averaged every step.
 
     The counterpart of ``tf.distribute.MirroredStrategy`` / ``MultiWorkerMirroredStrategy``, built on Lightning's
@@ -87,8 +95,12 @@ class MirroredStrategy(ClusterStrategy):
             to ``False``; pass ``gradient_as_bucket_view=False`` for torch's behaviour.
         even_batches: give every rank the same number of batches (capping to the shortest rank) so uneven inputs cannot
             hang gradient synchronisation.
-        shard_optimizer_state: ZeRO stage 1: each rank keeps and steps 1/N of the optimizer state (torch's
-            ``ZeroRedundancyOptimizer``); checkpoints still hold the whole state (see :mod:`ds_lightning.sharding`).
+        shard_optimizer_state: each rank keeps and steps 1/N of the optimizer state; checkpoints still hold the
+            whole state, in the plain layout (see :mod:`ds_lightning.sharding`).
+        sharding_engine: under ``shard_optimizer_state=True``: ``"zero"`` (ZeRO stage 1, torch's
+            ``ZeroRedundancyOptimizer`` behind DDP: whole tensors per rank, composes with every DDP option) or
+            ``"fsdp2"`` (torch's ``fully_shard`` instead of DDP: every tensor split over the ranks; no gradient
+            compression, comm hooks, two-level all-reduce, model averaging or load balancing).
         hierarchical: two-level all-reduce: reduce inside each host, all-reduce between hosts' leaders (compressed
             there only, when ``gradient_compression`` is set), broadcast inside the host. ``"auto"`` uses it with more
             than one host and more than one process on some host; ``True`` does the same (flat with one host);
@@ -127,11 +139,20 @@ class MirroredStrategy(ClusterStrategy):
         gradient_as_bucket_view: bool = True,
         even_batches: bool = True,
         shard_optimizer_state: bool = False,
+        sharding_engine: ShardingEngine = "zero",
         hierarchical: HierarchicalSetting = "auto",
         **kwargs: Any,
     ) -> None:
-        check_sharding_options(shard_optimizer_state, model_averaging_period)
         check.choice("gradient_compression", gradient_compression, COMPRESSIONS)
+        check_sharding_engine(
+            sharding_engine,
+            shard_optimizer_state,
+            gradient_compression=gradient_compression,
+            ddp_comm_hook=ddp_comm_hook,
+            hierarchical=hierarchical,
+            model_averaging_period=model_averaging_period,
+        )
+        check_sharding_options(shard_optimizer_state, model_averaging_period)
         if ddp_comm_hook is not None and gradient_compression != "none":
             raise ValueError(
                 f"ddp_comm_hook={ddp_comm_hook!r} and gradient_compression={gradient_compression!r} both decide how"
@@ -187,6 +208,7 @@ class MirroredStrategy(ClusterStrategy):
         self.auto_interval = auto_interval
         self.even_batches = even_batches
         self.shard_optimizer_state = shard_optimizer_state
+        self.sharding_engine = sharding_engine
         self.hierarchical = hierarchical
         self._pending_compression_state: dict[str, Any] | None = None
         self._train_loader_factory: Callable[[Any], Any] | None = None
@@ -229,6 +251,11 @@ class MirroredStrategy(ClusterStrategy):
             ValueError: when the strategy runs the user's own ``ddp_comm_hook``, which the weighting would replace.
 
         """
+        if self._fully_sharding:
+            raise ValueError(
+                "Balancing batches weights each rank's gradients in ds_mirrored's DDP comm hook, but"
+                " sharding_engine='fsdp2' replaces DDP; use sharding_engine='zero' or remove the DynamicLoadBalancer."
+            )
         if self._ddp_comm_hook is not None:
             raise ValueError(
                 f"Balancing batches weights each rank's gradients in ds_mirrored's comm hook, but"
@@ -284,14 +311,21 @@ class MirroredStrategy(ClusterStrategy):
 
     # --- optimizer-state sharding ----------------------------------------------------------------------------------
 
+    @property
+    @override
+    def _fully_sharding(self) -> bool:
+        return self.shard_optimizer_state and self.sharding_engine == "fsdp2"
+
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
-        super().setup_optimizers(trainer)
-        if self.shard_optimizer_state:
+        super().setup_optimizers(trainer)  # under fsdp2, after fully_shard: over the sharded parameters
+        if self.shard_optimizer_state and not self._fully_sharding:
             self.optimizers = shard_optimizers(self.optimizers, self.lr_scheduler_configs)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self._sharded_now:
+            return self._fully_sharded_optimizer_state(optimizer)
         if not self.shard_optimizer_state:
             return super().optimizer_state(optimizer)
         return consolidated_state(getattr(optimizer, "_optimizer", optimizer), writer=self.is_global_zero)
@@ -313,7 +347,9 @@ class MirroredStrategy(ClusterStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self.shard_optimizer_state:
+        if self._sharded_now:
+            self._load_fully_sharded_optimizer_states(checkpoint)
+        elif self.shard_optimizer_state:
             load_sharded_states(self.optimizers, checkpoint["optimizer_states"])
         else:
             super().load_optimizer_state_dict(checkpoint)

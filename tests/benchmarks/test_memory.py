@@ -20,7 +20,7 @@ from benchmarks._memory_worker import main as worker_main
 from benchmarks._sharding_common import verdict
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.memory import Memory, arm_name, reading_of
+from benchmarks.memory import Memory, arm_name, arm_title, reading_of
 from ds_lightning.testing import free_port
 
 
@@ -82,20 +82,25 @@ def _opts(*argv: str) -> argparse.Namespace:
     return opts
 
 
-def _ranks(procs: int, sharded: bool, total_state: int, grad: float, params_bytes: int) -> list[dict[str, Any]]:
-    state = [total_state // procs if sharded else total_state] * procs
-    bcast = [params_bytes // procs if sharded else 0] * procs
-    if sharded:  # an uneven partition: rank 0 holds more
+def _ranks(procs: int, engine: str | None, total_state: int, grad: float, params_bytes: int) -> list[dict[str, Any]]:
+    """A run's ranks: plain (``engine=None``), ``zero`` (an uneven partition, broadcasts) or ``fsdp2`` (even shards,
+    an all-gather of the rank's shard and a reduce-scatter of every gradient, no all-reduce)."""
+    zero, fsdp2 = engine == "zero", engine == "fsdp2"
+    state = [total_state // procs if engine else total_state] * procs
+    bcast = [params_bytes // procs if zero else 0] * procs
+    if zero:  # an uneven partition: rank 0 holds more
         state[0] += 1000
         bcast[0] += 250
     return [
         {
             "rank": r,
-            "optimizer_class": "ZeroRedundancyOptimizer" if sharded else "Adam",
+            "optimizer_class": "ZeroRedundancyOptimizer" if zero else "Adam",
             "state_bytes": state[r],
-            "grad_bytes": grad,
+            "grad_bytes": 0.0 if fsdp2 else grad,
             "broadcast_bytes": bcast[r],
-            "broadcast_calls": 6 if sharded else 0,
+            "broadcast_calls": 6 if zero else 0,
+            "allgather_bytes": params_bytes // procs if fsdp2 else 0,
+            "reducescatter_bytes": params_bytes if fsdp2 else 0,
             "peak_rss_mb": 300.0 + r,
         }
         for r in range(procs)
@@ -106,14 +111,14 @@ def _data(model: str) -> dict[str, Any]:
     opts = _opts("--model", model)
     params = 1_000_000
     records = []
-    for i, (procs, sharded) in enumerate((p, s) for p in (2, 4) for s in (False, True)):
-        ranks = _ranks(procs, sharded, 8 * params + 24, 4.0 * params, 4 * params)
-        result = {"median_step_ms": 100.0 * (1.05 if sharded else 1.0), "ranks": ranks, "parameters": params}
-        records.append(
-            {"arm": arm_name(sharded, procs), "repeat": 0, "order": i, "seconds": 20.0, "rc": 0, **reading_of(result)}
-        )
+    runs = [(p, e) for p in (2, 4) for e in (None, "zero", "fsdp2")]
+    for i, (procs, engine) in enumerate(runs):
+        ranks = _ranks(procs, engine, 8 * params + 24, 4.0 * params, 4 * params)
+        result = {"median_step_ms": 100.0 * (1.05 if engine else 1.0), "ranks": ranks, "parameters": params}
+        arm = arm_name(engine is not None, procs, engine or "zero")
+        records.append({"arm": arm, "repeat": 0, "order": i, "seconds": 20.0, "rc": 0, **reading_of(result)})
     settings = {k: v for k, v in vars(opts).items() if k not in ("out", "render")}
-    arms = {arm_name(s, p): f"{'sharded' if s else 'plain'}, {p} procs" for p in (2, 4) for s in (False, True)}
+    arms = {arm_name(e is not None, p, e or "zero"): arm_title(e is not None, p, e or "zero") for p, e in runs}
     return {"benchmark": "memory", "settings": settings, **Memory().meta(opts), "arms": arms, "records": records}
 
 
@@ -136,17 +141,28 @@ def test_render_writes_the_workloads_files_with_each_target_and_the_bytes_ratio(
     assert "| bytes sent per step, largest rank | 2 | 1.500 | <= 1.10x | **MISS** |" in md
     assert "| bytes sent per step, largest rank | 4 | 1.250 | <= 1.10x | **MISS** |" in md
     assert "| peak RSS, largest rank (no target) | 4 | 1.000 | - | - |" in md
+    # ring model: an all-reduce sends 2(N-1)/N of it, zero's owner its broadcast once: (4e6 + 2e6 + 250) / 4e6
+    assert "| bytes sent under a ring model, largest rank | 2 | 1.500 | <= 1.10x | **MISS** |" in md
+    # fsdp2: even halves; all-gather 2e6 + reduce-scatter 4e6 handed = 1.5x, but a ring sends 1 x 2e6 + 1/2 x 4e6
+    assert "| fsdp2: optimizer-state bytes, largest rank | 2 | 0.500 | <= 0.55x | **PASS** |" in md
+    assert "| fsdp2: bytes sent per step, largest rank | 2 | 1.500 | <= 1.10x | **MISS** |" in md
+    assert "| fsdp2: bytes sent under a ring model, largest rank | 2 | 1.000 | <= 1.10x | **PASS** |" in md
+    assert "| fsdp2: bytes sent under a ring model, largest rank | 4 | 1.000 | <= 1.10x | **PASS** |" in md
     # every rank's optimizer state, and the sharded run's broadcast of the largest rank
-    assert "| sharded, 2 procs | 4.001 / 4.000 | 105.00 | 4.000 | 2.000 | 6.000 | 301 |" in md
-    assert "| plain, 4 procs | 8.000 / 8.000 / 8.000 / 8.000 | 100.00 | 4.000 | 0.000 | 4.000 | 303 |" in md
+    assert "| sharded, 2 procs | 4.001 / 4.000 | 105.00 | 4.000 | 2.000 | 0.000 | 6.000 | 6.000 | 301 |" in md
+    plain = "| plain, 4 procs | 8.000 / 8.000 / 8.000 / 8.000 | 100.00 | 4.000 | 0.000 | 0.000 | 4.000 | 6.000 | 303 |"
+    assert plain in md
+    assert "| sharded fsdp2, 2 procs | 4.000 / 4.000 | 105.00 | 0.000 | 0.000 | 6.000 | 6.000 | 4.000 | 301 |" in md
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_worker_reads_a_ranks_state_gradient_and_broadcast_bytes(tmp_path: Path, monkeypatch, sharded: bool):
+@pytest.mark.parametrize(("sharded", "engine"), [(False, "zero"), (True, "zero"), (True, "fsdp2")])
+def test_worker_reads_a_ranks_state_gradient_and_broadcast_bytes(
+    tmp_path: Path, monkeypatch, sharded: bool, engine: str
+):
     # One process only (world size 1): the figures' plumbing, counted by hand for the 64-16-10 MLP under Adam.
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    spec = {"procs": 1, "sharded": sharded, "hidden": [16], "batch_size": 8, "steps": 2, "warmup": 1}
+    spec = {"procs": 1, "sharded": sharded, "engine": engine, "hidden": [16], "batch_size": 8, "steps": 2, "warmup": 1}
     spec.update(workload={"model": "digits"}, out_dir=str(tmp_path))
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     threads = torch.get_num_threads()  # the worker pins 1 thread: give this test process its own back
@@ -159,10 +175,13 @@ def test_worker_reads_a_ranks_state_gradient_and_broadcast_bytes(tmp_path: Path,
     reading = reading_of(json.loads((tmp_path / "result.json").read_text()))
     params = 64 * 16 + 16 + 16 * 10 + 10  # 1,210 fp32 parameters in 4 tensors
     assert reading["parameters"] == params
-    assert reading["optimizer_class"] == ("ZeroRedundancyOptimizer" if sharded else "Adam")
+    zero, fsdp2 = sharded and engine == "zero", engine == "fsdp2"
+    assert reading["optimizer_class"] == ("ZeroRedundancyOptimizer" if zero else "Adam")
     assert reading["state_bytes_ranks"] == [2 * 4 * params + 4 * 4]  # two moments, and a 4-byte step per tensor
-    assert reading["grad_bytes"] == 4 * params
-    assert reading["broadcast_bytes_ranks"] == [4 * params if sharded else 0]
-    assert reading["broadcast_calls"] == (4 if sharded else 0)
+    assert reading["grad_bytes"] == (0 if fsdp2 else 4 * params)
+    assert reading["broadcast_bytes_ranks"] == [4 * params if zero else 0]
+    assert reading["broadcast_calls"] == (4 if zero else 0)
+    # fsdp2 on one rank: its shard is every parameter (all-gathered), and every gradient is reduce-scattered
+    assert reading["fsdp_bytes_max"] == (8 * params if fsdp2 else 0)
     assert reading["sent_bytes_max"] == (8 if sharded else 4) * params
     assert reading["rss_mb_max"] > 0

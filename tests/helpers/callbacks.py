@@ -14,9 +14,14 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from ds_lightning.sharding import optimizer_state_bytes
+
+
+def _whole(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
 class SaveParams(Callback):
@@ -30,7 +35,8 @@ class SaveParams(Callback):
         self.batches += 1
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = {k: v.detach().cpu().clone() for k, v in pl_module.state_dict().items()}
+        # FSDP2 holds DTensor shards: gather each whole (a collective, and every rank ends training here).
+        state = {k: _whole(v).detach().cpu().clone() for k, v in pl_module.state_dict().items()}
         out = {
             "state_dict": state,
             "global_step": trainer.global_step,
@@ -245,3 +251,24 @@ class RecordOptimizerState(Callback):
             "local_lr": float(local.param_groups[0]["lr"]),
         }
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class RecordGradientSync(Callback):
+    """Counts, per rank, the calls that switch FSDP2's gradient synchronisation off and on (the sharded
+    LightningModule's ``set_requires_gradient_sync``); writes them as JSON to ``{path}.rank{R}.json`` at the end."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.calls = {"off": 0, "on": 0}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        real = pl_module.set_requires_gradient_sync  # AttributeError unless fully_shard ran on the module
+
+        def counting(requires_gradient_sync: bool, **kwargs: Any) -> None:
+            self.calls["on" if requires_gradient_sync else "off"] += 1
+            real(requires_gradient_sync, **kwargs)
+
+        pl_module.set_requires_gradient_sync = counting
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(self.calls))

@@ -4,7 +4,6 @@ options it refuses."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -13,18 +12,19 @@ import torch
 import torch.multiprocessing as mp
 from torch.testing import assert_close
 
-from ds_lightning.demos import DigitsClassifier, DigitsDataModule
+from ds_lightning.demos import DigitsClassifier
 from ds_lightning.sharding import check_shardable
 from ds_lightning.strategies import MirroredStrategy
 from tests.callbacks.test_backup_and_restore import N, assert_same_params, final_params, samples_per_epoch, train
 from tests.helpers import zero_workers
 from tests.helpers.backup_runs import DIED
-from tests.helpers.runner import CONFIGS, ds_train, free_port, quiet_trainer_args, run_module
+from tests.helpers.runner import ds_train, free_port, run_module
+from tests.helpers.sharding_runs import assert_plain_optimizer_layout, epoch_checkpoint, resume_on_one_device
+from tests.helpers.sharding_runs import fit_args as _fit_args
+from tests.helpers.sharding_runs import params as _params
+from tests.helpers.sharding_runs import record as _record
 
 pytestmark = pytest.mark.multiprocess
-
-MIRRORED = str(CONFIGS / "mirrored.yaml")
-HIDDEN = "[64, 64]"  # parameters of near-equal size, so a per-parameter partition can halve the state
 
 
 # --- options (no processes) ----------------------------------------------------------------------------------------
@@ -90,43 +90,11 @@ def test_scheduler_sets_the_lr_the_sharded_step_applies_and_state_round_trips(tm
 # --- through ds-train: parity, bytes, checkpoints ------------------------------------------------------------------
 
 
-def _fit_args(root: Path, out: Path, epochs: int, shard: bool, extra: list[str] = ()) -> list[str]:
-    return [
-        "fit",
-        f"--config={MIRRORED}",
-        *quiet_trainer_args(root),
-        f"--trainer.max_epochs={epochs}",
-        "--trainer.limit_val_batches=0",
-        "--trainer.strategy=ds_lightning.strategies.MirroredStrategy",
-        f"--trainer.strategy.shard_optimizer_state={str(shard).lower()}",
-        "--trainer.callbacks+=tests.helpers.callbacks.SaveParams",
-        f"--trainer.callbacks.path={out}",
-        "--trainer.callbacks+=tests.helpers.callbacks.RecordOptimizerState",
-        f"--trainer.callbacks.path={out}",
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={root / 'ckpt'}",
-        "--trainer.callbacks.save_top_k=-1",  # one file per epoch
-        f"--model.hidden_sizes={HIDDEN}",
-        "--model.optimizer=adam",
-        "--model.lr=0.01",
-        *extra,
-    ]
-
-
-def _params(out: Path, rank: int) -> dict:
-    return torch.load(f"{out}.rank{rank}.pt", weights_only=True)
-
-
-def _record(out: Path, rank: int) -> dict:
-    return json.loads(Path(f"{out}.rank{rank}.json").read_text())
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """Plain and sharded ds_mirrored, 2 epochs each under Adam, same seed and data; a checkpoint per epoch."""
-    root = tmp_path_factory.mktemp("zero")
-    for name, shard in (("plain", False), ("sharded", True)):
-        ds_train(_fit_args(root / name, root / name / "params", 2, shard), timeout=240, ranks=2)
+def runs(plain_adam_run):
+    """Plain (shared, see conftest) and sharded ds_mirrored, 2 epochs each under Adam; a checkpoint per epoch."""
+    root = plain_adam_run
+    ds_train(_fit_args(root / "sharded", root / "sharded" / "params", 2, True), timeout=240, ranks=2)
     return root
 
 
@@ -158,17 +126,8 @@ def test_each_rank_holds_about_half_of_the_optimizer_state(runs):
 
 
 def test_checkpoint_holds_the_plain_layout_and_loads_on_one_device(runs, tmp_path):
-    (sharded_ckpt,) = (runs / "sharded" / "ckpt").glob("epoch=0-*.ckpt")
-    (plain_ckpt,) = (runs / "plain" / "ckpt").glob("epoch=0-*.ckpt")
-    saved = torch.load(sharded_ckpt, weights_only=True)  # tensors and plain numbers only
-    reference = torch.load(plain_ckpt, weights_only=True)
-    (state,), (expected,) = saved["optimizer_states"], reference["optimizer_states"]
-    assert state["param_groups"] == expected["param_groups"]
-    assert state["state"].keys() == expected["state"].keys() == set(range(6))
-    for index, values in expected["state"].items():
-        assert values.keys() == state["state"][index].keys()
-        for key, value in values.items():
-            assert_close(state["state"][index][key], value, atol=1e-5, rtol=1e-5)
+    sharded_ckpt = epoch_checkpoint(runs / "sharded")
+    state = assert_plain_optimizer_layout(sharded_ckpt, epoch_checkpoint(runs / "plain"))
 
     # A plain Adam in one process takes the state as it is.
     model = DigitsClassifier(hidden_sizes=(64, 64), optimizer="adam", lr=0.01)
@@ -177,15 +136,7 @@ def test_checkpoint_holds_the_plain_layout_and_loads_on_one_device(runs, tmp_pat
     assert len(adam.state) == 6 and all(float(s["step"]) == 23 for s in adam.state.values())
 
     # And a plain single-device Trainer resumes from it (another world size) and trains on with that state.
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=2, limit_val_batches=0, logger=False, enable_progress_bar=False,
-        enable_checkpointing=False, enable_model_summary=False, default_root_dir=tmp_path,
-    )  # fmt: skip
-    trainer.fit(model, datamodule=DigitsDataModule(batch_size=32), ckpt_path=sharded_ckpt)
-    steps_on_one = trainer.global_step - 23
-    assert steps_on_one == 45  # 1437 samples in batches of 32 on one device
-    adam_state = trainer.optimizers[0].state
-    assert all(float(s["step"]) == 23 + steps_on_one for s in adam_state.values())  # continued, not restarted
+    resume_on_one_device(sharded_ckpt, tmp_path)
 
 
 def test_resume_on_two_sharded_ranks_equals_the_uninterrupted_run(runs, tmp_path):
