@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from benchmarks import harness
+from benchmarks import _workloads, harness
 from benchmarks._cluster_launch import WORKERS, rotated, run_configs, shape_links
 from ds_lightning.testing import netns
 
@@ -38,6 +38,8 @@ BYTES_TARGET = 0.55
 SPEEDUP_TARGET = 1.5
 PARITY_ATOL = 1e-5
 DEVICES = 2
+GPT_LR = 1e-3
+GPT_BATCH = 8
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -53,12 +55,15 @@ def hierarchical_configs() -> list[dict[str, Any]]:
 
 
 def hierarchical_spec(opts: argparse.Namespace, cluster: netns.Cluster, params_dir: str) -> dict[str, Any]:
+    gpt = getattr(opts, "model", "digits") == "gpt"
     return {
         "kind": "hierarchical",
-        "workload": {"model": "digits"},
+        "workload": _workloads.spec_of(opts),
         "hidden": opts.hier_hidden,
-        "lr": 0.05,
-        "batch_size": 32,
+        # The GPT: part 1's AdamW and its 8 windows of 128 tokens per process; the digits: SGD, 32 samples.
+        "lr": GPT_LR if gpt else 0.05,
+        "batch_size": GPT_BATCH if gpt else 32,
+        "val_windows": opts.val_windows,
         "seed": 0,
         "steps": opts.hier_steps,
         "warmup": opts.hier_warmup,
@@ -153,13 +158,21 @@ def summarise_hierarchical(raw: dict[str, list[dict[str, Any]]]) -> dict[str, An
     return out
 
 
+def workload_of(settings: dict[str, Any]) -> str:
+    """The part's workload, as its heading names it."""
+    if settings.get("model") == "gpt":
+        workload = _workloads.spec_of(argparse.Namespace(**settings))
+        return f"{_workloads.label(workload)}, AdamW lr {GPT_LR:g}, {GPT_BATCH} windows per process"
+    return f"{_workloads.label({'model': 'digits'}, settings['hier_hidden'])}, SGD lr 0.05, batch 32 per process"
+
+
 def hierarchical_markdown(summary: dict[str, Any], settings: dict[str, Any]) -> list[str]:
     """The part's section of the report."""
     f = harness.fmt
     lines = [
         "",
         f"### Part 4: two-level all-reduce, 2 hosts x {DEVICES} processes, inter-host link {settings['hier_rate']:g}"
-        f" Mbit/s (digits MLP 64-{'-'.join(map(str, settings['hier_hidden']))}-10, batch 32 per process)",
+        f" Mbit/s ({workload_of(settings)})",
         "",
         "Inter-host bytes: both hosts' veth `tx_bytes` over the timed steps, per step (measured, not computed). Ratios"
         " and speed-ups are paired per repeat with the flat ring of the same compression; parity: the largest"

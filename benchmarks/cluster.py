@@ -36,11 +36,12 @@ without ``netem``, where a delay cannot be emulated). Every process runs 1 threa
 4. **Two-level all-reduce (``hierarchical``) against the flat ring**, 2 hosts x 2 processes (one TF_CONFIG task per
    host with ``Trainer(devices=2)``), both hosts' links at ``--hier-rate`` (100 Mbit/s), the digits MLP
    ``--hier-hidden`` (64-1024-1024-10), uncompressed and fp16: inter-host bytes per step read from the hosts' veths,
-   rank 0's median step, and the final parameters against the flat ring's (``_cluster_hierarchical.py``).
+   rank 0's median step, and the final parameters against the flat ring's (``_cluster_hierarchical.py``). With
+   ``--model gpt --parts hierarchical``, the GPT (part 1's AdamW, 8 windows of 128 tokens per process) instead.
 
-Parts 2, 3 and 4 always train the digits MLP; with ``--model gpt`` they run only when ``--parts`` names them (on the GPT
-they are measured by ``parameter_server.py`` and ``load_balance.py``). Results of ``--model gpt`` go to
-``results/cluster_gpt.*``.
+Parts 2 and 3 always train the digits MLP; with ``--model gpt`` they, and part 4, run only when ``--parts`` names them
+(on the GPT, parts 2 and 3 are measured by ``parameter_server.py`` and ``load_balance.py``). Results of ``--model gpt``
+go to ``results/cluster_gpt.*``; part 4 run on its own to ``results/cluster_hierarchical[_gpt].*``.
 
 Configurations are interleaved repeat by repeat (each repeat: part 1 on every link, then parts 2 and 3; within a
 launch the configurations run one after the other in one process per task, the order rotating by repeat), repeated
@@ -290,7 +291,7 @@ class Cluster(harness.Benchmark):
             nargs="+",
             choices=["compression", "ps", "balance", "hierarchical"],
             default=None,
-            help="parts to run (digits: compression ps balance hierarchical; GPT: compression)",
+            help="parts to run (digits: compression ps balance hierarchical; GPT: compression, or hierarchical)",
         )
         add_hierarchical_options(parser)
         add("--timeout", type=float, default=240.0, help="seconds one configuration may take (240)")
@@ -403,7 +404,7 @@ class Cluster(harness.Benchmark):
     def file_stem(self, settings: dict[str, Any]) -> str:
         # Part 4 run on its own keeps parts 1-3's results files.
         if settings.get("parts") == ["hierarchical"]:
-            return f"{self.name}_hierarchical"
+            return f"{self.name}_hierarchical" + ("_gpt" if is_gpt(settings) else "")
         return super().file_stem(settings)
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
@@ -413,7 +414,8 @@ class Cluster(harness.Benchmark):
             paths.append(out / f"{stem}.png")
             plot(self.view(data), paths[-1])
         if data["summary"].get("hierarchical"):
-            paths.append(out / f"{self.name}_hierarchical.png")
+            alone = data["settings"]["parts"] == ["hierarchical"]  # then the stem is part 4's own
+            paths.append(out / f"{stem if alone else self.name + '_hierarchical'}.png")
             plot_hierarchical(data["summary"]["hierarchical"], paths[-1])
         return paths
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
 
 import pytest
@@ -58,3 +59,28 @@ def test_ratios_are_paired_by_repeat_and_judged_against_the_targets():
     assert "speed-up 2.000 [2.000 - 2.000] (target >= 1.5: met)" in text
     assert "**two_level_fp16 vs flat_fp16:** bytes - (target <= 0.55: not measured)" in text
     assert summary["pairs"]["two_level_fp16/flat"]["max_abs_diff"] is None  # other gradients: no parity to judge
+
+
+def test_the_gpt_run_names_its_workload_and_writes_its_own_files():
+    from benchmarks._cluster_hierarchical import hierarchical_spec
+    from benchmarks.cluster import Cluster
+
+    gpt = {"model": "gpt", "gpt_layers": 4, "gpt_heads": 4, "gpt_width": 128, "gpt_block": 128}
+    heading = hierarchical_markdown({"configs": {}, "pairs": {}}, {"hier_rate": 100.0, "hier_hidden": [8], **gpt})[1]
+    assert "byte-level GPT (4 layers, d_model 128, 4 heads, context 128)" in heading and "AdamW lr 0.001" in heading
+    digits = hierarchical_markdown({"configs": {}, "pairs": {}}, {"hier_rate": 100.0, "hier_hidden": [8]})[1]
+    assert "digits MLP 64-8-10" in digits
+    assert Cluster().file_stem({"parts": ["hierarchical"], **gpt}) == "cluster_hierarchical_gpt"
+    assert Cluster().file_stem({"parts": ["hierarchical"], "model": "digits"}) == "cluster_hierarchical"
+
+    class Host:
+        interface = "eth0"
+
+    class Hosts:
+        hosts = [Host()]
+
+    opts = argparse.Namespace(hier_hidden=[8], hier_steps=2, hier_warmup=1, dist_timeout=5, val_windows=4, **gpt)
+    spec = hierarchical_spec(opts, Hosts(), "/tmp")  # type: ignore[arg-type]
+    assert spec["workload"] == {"model": "gpt", "n_layer": 4, "n_head": 4, "d_model": 128, "block_size": 128}
+    assert (spec["lr"], spec["batch_size"]) == (1e-3, 8)
+    assert hierarchical_spec(argparse.Namespace(**{**vars(opts), "model": "digits"}), Hosts(), "/tmp")["lr"] == 0.05
