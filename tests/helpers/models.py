@@ -91,3 +91,47 @@ class SlowRankDigits(DigitsClassifier):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+
+
+class TwoLayers(pl.LightningModule):
+    """``Linear - tanh - Linear`` under Adam (automatic optimization), seeded in ``__init__``; records its logits'
+    dtype, which autocast decides."""
+
+    def __init__(self, sizes: tuple[int, int, int] = (8, 8, 2)) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.second = nn.Linear(sizes[0], sizes[1]), nn.Linear(sizes[1], sizes[2])
+        self.logits_dtype = ""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self(x)
+        self.logits_dtype = str(logits.dtype)
+        return nn.functional.cross_entropy(logits.float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=0.01)
+
+
+class TwoOptimizers(TwoLayers):
+    """Manual optimization: Adam on the first layer every batch, SGD with momentum on the second every other batch."""
+
+    def __init__(self, sizes: tuple[int, int, int] = (8, 8, 2)) -> None:
+        super().__init__(sizes)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        adam, sgd = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        adam.zero_grad()
+        sgd.zero_grad()
+        self.manual_backward(loss)
+        adam.step()
+        if batch_idx % 2 == 0:
+            sgd.step()
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.first.parameters(), 0.01), torch.optim.SGD(self.second.parameters(), 0.1, 0.9)

@@ -64,19 +64,30 @@ def epoch_checkpoint(root: Path, epoch: int = 0) -> Path:
     return path
 
 
-def assert_plain_optimizer_layout(path: Path, reference: Path) -> dict[str, Any]:
-    """``path``'s optimizer state is ``reference``'s (a plain run's) layout and values; returns it.
+def assert_plain_optimizer_layouts(path: Path, reference: Path) -> list[dict[str, Any]]:
+    """Each optimizer's state in ``path`` is the one in ``reference`` (a plain run's): layout and values; returns them.
 
-    Both load with ``weights_only=True``: tensors and plain numbers only.
+    The plain layout numbers each optimizer's parameters from 0 in the order of its param groups. Both files load with
+    ``weights_only=True``: tensors and plain numbers only.
     """
-    (state,) = torch.load(path, weights_only=True)["optimizer_states"]
-    (expected,) = torch.load(reference, weights_only=True)["optimizer_states"]
-    assert state["param_groups"] == expected["param_groups"]
-    assert state["state"].keys() == expected["state"].keys() == set(range(6))
-    for index, values in expected["state"].items():
-        assert values.keys() == state["state"][index].keys()
-        for key, value in values.items():
-            assert_close(state["state"][index][key], value, atol=1e-5, rtol=1e-5)
+    states = torch.load(path, weights_only=True)["optimizer_states"]
+    expected_states = torch.load(reference, weights_only=True)["optimizer_states"]
+    assert len(states) == len(expected_states)
+    for state, expected in zip(states, expected_states, strict=True):
+        assert state["param_groups"] == expected["param_groups"]
+        numbered = [index for group in expected["param_groups"] for index in group["params"]]
+        assert state["state"].keys() == expected["state"].keys() == set(range(len(numbered)))
+        for index, values in expected["state"].items():
+            assert values.keys() == state["state"][index].keys()
+            for key, value in values.items():
+                assert_close(state["state"][index][key], value, atol=1e-5, rtol=1e-5)
+    return states
+
+
+def assert_plain_optimizer_layout(path: Path, reference: Path) -> dict[str, Any]:
+    """:func:`assert_plain_optimizer_layouts` for a run with one optimizer (Adam over the 6 tensors); returns it."""
+    (state,) = assert_plain_optimizer_layouts(path, reference)
+    assert state["state"].keys() == set(range(6))
     return state
 
 

@@ -7,38 +7,13 @@ the optimizers' classes to ``OUT``.
 from __future__ import annotations
 
 import sys
-from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import ds_lightning
-
-
-class TwoOptimizers(pl.LightningModule):
-    """Adam on the first layer every batch, SGD with momentum on the second every other batch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.first, self.second = nn.Linear(8, 8), nn.Linear(8, 2)
-        self.automatic_optimization = False
-
-    def training_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        adam, sgd = self.optimizers()
-        loss = nn.functional.cross_entropy(self.second(torch.tanh(self.first(x))), y)
-        adam.zero_grad()
-        sgd.zero_grad()
-        self.manual_backward(loss)
-        adam.step()
-        if batch_idx % 2 == 0:
-            sgd.step()
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.Adam(self.first.parameters(), 0.01), torch.optim.SGD(self.second.parameters(), 0.1, 0.9)
+from tests.helpers.models import TwoOptimizers
 
 
 def main(out: str, shard: bool) -> None:
