@@ -125,11 +125,12 @@ def meaning(data: dict[str, Any]) -> list[str]:
         tail = (
             ' So on gloo CPU, `sharding_engine="fsdp2"` waits longer on its collectives than DDP waits on the'
             " all-reduce of the same gradients, although under a ring model they send the same bytes: fsdp2 pays for"
-            " how gloo runs reduce-scatter and all-gather, not for extra traffic (the column RS + AG - AR is that"
-            " cost per step, before any overlap with compute). This is in line with fsdp2's missed step-time target"
-            ' inside Lightning ([memory.md](memory.md)); on gloo, `sharding_engine="zero"` (the default) stays the'
-            " faster choice. fsdp2's case rests on a backend whose reduce-scatter costs what the ring model says"
-            " (not measured here)."
+            " how gloo runs reduce-scatter and all-gather, not for extra traffic. The column RS + AG - AR is that"
+            " cost per step for one tensor of the model's size, before any overlap with compute; set against the"
+            " fsdp2 step's excess over plain's in [memory.md](memory.md), it says how much of fsdp2's missed"
+            ' step-time target the collectives alone account for. On gloo, `sharding_engine="zero"` (the default)'
+            " stays the faster choice; fsdp2's case rests on a backend whose reduce-scatter costs what the ring"
+            " model says (not measured here)."
         )
     elif max(pair) <= 1.1:
         tail = (
