@@ -8,7 +8,7 @@ DOCS_STAMP := $(VENV)/.ds_lightning-docs-installed
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup cluster-tools demo demo-gpt test test-gpu test-versions lint docs bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster bench-faults bench-memory bench-sharding clean
+.PHONY: setup cluster-tools demo demo-gpt test test-gpu test-versions lint docs bench bench-pipeline bench-ps bench-balance bench-precision bench-cluster bench-faults bench-memory bench-collectives bench-sharding clean
 
 setup: $(STAMP)
 
@@ -92,6 +92,9 @@ bench-faults: setup
 bench-memory: setup
 	$(PY) benchmarks/memory.py
 	$(PY) benchmarks/memory.py --model gpt
+
+bench-collectives: setup
+	$(PY) benchmarks/collectives.py
 
 bench-sharding: setup
 	$(PY) benchmarks/sharding_engines.py
