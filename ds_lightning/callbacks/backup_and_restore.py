@@ -279,9 +279,18 @@ class BackupAndRestore(Callback):
                 log.exception("BackupAndRestore: the last backup could not be written")
 
     @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active:
+            # The last step's agreement, which every rank started, ends here: an async gloo work still held when the
+            # interpreter exits can abort the process (SIGABRT; torch closed PR 179291). The run is complete, so a
+            # signal raised in its last step needs no backup.
+            self._agreement.collect(2)
+
+    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if not self._active:
             return
+        self._agreement.reset()  # after an exception too: hold no work past the run
         self._writer.teardown()
         self._watch.uninstall()
         self._cursor.clear()
