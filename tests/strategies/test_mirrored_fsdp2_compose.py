@@ -14,8 +14,7 @@ import torch
 from torch.testing import assert_close
 
 from ds_lightning.strategies import MirroredStrategy
-from tests.callbacks.test_backup_and_restore import N, assert_same_params, final_params, samples_per_epoch, train
-from tests.helpers.backup_runs import DIED
+from tests.helpers.backup_compose import assert_composed_run_matches_plain_and_resumes
 from tests.helpers.fsdp2_compose import ENGINES, FP16_INIT_SCALE, classifier, data, two_optimizers
 from tests.helpers.runner import run_ranks
 from tests.helpers.sharding_runs import assert_plain_optimizer_layouts, params, record
@@ -175,27 +174,8 @@ def test_accumulation_lr_scaling_and_a_backup_resume_match_plain(tmp_path):
     """Adam with a StepLR per step; global batch 32 = 2 ranks x 8 x 2 accumulated; 12 steps over 4 epochs. The
     backups are gathered from the shards on every rank at the same step, and a run killed at step 5 resumes from one
     to the uninterrupted run's parameters, with every sample once per epoch."""
-    spec = {"devices": 2, "global_batch": 32, "lr_scaling": True, "max_epochs": 4, "backup": {"every_n_train_steps": 2}}
-    sharded = {**spec, "strategy_kwargs": {"shard_optimizer_state": True, "sharding_engine": "fsdp2"}}
-    plain = train(tmp_path, "plain", spec)
-    straight = train(tmp_path, "straight", sharded)
-    assert plain["global_step"] == straight["global_step"] == 12
-    assert_same_params(final_params(tmp_path, "plain"), final_params(tmp_path, "straight"), atol=1e-5)
-
-    train(tmp_path, "cut", {**sharded, "die_at_step": 5}, expect=DIED)
-    resumed = train(tmp_path, "cut", {**sharded, "attempt": 1})
-    restored = Path(resumed["restored_from"])  # written in the background: step 4's may still have been in flight
-    assert restored.name in ("backup-step000000002.ckpt", "backup-step000000004.ckpt"), restored
-    assert resumed["global_step"] == 12
-    assert_same_params(final_params(tmp_path, "straight"), final_params(tmp_path, "cut"), atol=1e-6)
-    assert samples_per_epoch(tmp_path, "cut") == {epoch: list(range(N)) for epoch in range(4)}
-    # A backup holds whole tensors in the plain layout: 8 tensors' Adam state, each at the backup's step.
-    latest = sorted((tmp_path / "cut_backups").glob("backup-step*.ckpt"))[-1]
-    state = torch.load(latest, weights_only=True)["optimizer_states"][0]["state"]
-    assert len(state) == 8 and {float(s["step"]) for s in state.values()} == {float(latest.stem[-9:])}
+    fsdp2 = {"shard_optimizer_state": True, "sharding_engine": "fsdp2"}
+    state = assert_composed_run_matches_plain_and_resumes(tmp_path, fsdp2, {})
     plain_latest = sorted((tmp_path / "plain_backups").glob("backup-step*.ckpt"))[-1]
-    shapes = {
-        k: v["exp_avg"].shape
-        for k, v in torch.load(plain_latest, weights_only=True)["optimizer_states"][0]["state"].items()
-    }
-    assert {k: v["exp_avg"].shape for k, v in state.items()} == shapes
+    plain_state = torch.load(plain_latest, weights_only=True)["optimizer_states"][0]["state"]
+    assert {k: v["exp_avg"].shape for k, v in state.items()} == {k: v["exp_avg"].shape for k, v in plain_state.items()}

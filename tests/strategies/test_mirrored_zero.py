@@ -4,8 +4,6 @@ options it refuses."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -15,9 +13,8 @@ from torch.testing import assert_close
 from ds_lightning.demos import DigitsClassifier
 from ds_lightning.sharding import check_shardable
 from ds_lightning.strategies import MirroredStrategy
-from tests.callbacks.test_backup_and_restore import N, assert_same_params, final_params, samples_per_epoch, train
 from tests.helpers import zero_workers
-from tests.helpers.backup_runs import DIED
+from tests.helpers.backup_compose import assert_composed_run_matches_plain_and_resumes
 from tests.helpers.runner import ds_train, free_port, run_module
 from tests.helpers.sharding_runs import assert_plain_optimizer_layout, epoch_checkpoint, resume_on_one_device
 from tests.helpers.sharding_runs import fit_args as _fit_args
@@ -158,25 +155,7 @@ def test_resume_on_two_sharded_ranks_equals_the_uninterrupted_run(runs, tmp_path
 def test_composes_with_powersgd_accumulation_lr_scaling_and_resumes_from_a_backup(tmp_path):
     """Adam with a StepLR per step; global batch 32 = 2 ranks x 8 x 2 accumulated; 12 steps over 4 epochs."""
     compression = {"gradient_compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2}
-    spec = {"devices": 2, "global_batch": 32, "lr_scaling": True, "max_epochs": 4, "backup": {"every_n_train_steps": 2}}
-    sharded = {**spec, "strategy_kwargs": {**compression, "shard_optimizer_state": True}}
-    plain = train(tmp_path, "plain", {**spec, "strategy_kwargs": compression})
-    straight = train(tmp_path, "straight", sharded)
-    assert plain["global_step"] == straight["global_step"] == 12
-    assert_same_params(final_params(tmp_path, "plain"), final_params(tmp_path, "straight"), atol=1e-5)
-
-    train(tmp_path, "cut", {**sharded, "die_at_step": 5}, expect=DIED)
-    resumed = train(tmp_path, "cut", {**sharded, "attempt": 1})
-    # Backups are written in the background: the one at step 4 may still be in flight when every rank dies.
-    restored = Path(resumed["restored_from"])
-    assert restored.name in ("backup-step000000002.ckpt", "backup-step000000004.ckpt"), restored
-    assert resumed["global_step"] == 12
-    assert_same_params(final_params(tmp_path, "straight"), final_params(tmp_path, "cut"), atol=1e-6)
-    assert samples_per_epoch(tmp_path, "cut") == {epoch: list(range(N)) for epoch in range(4)}
-    # A backup holds the whole state in the plain layout: 8 tensors' Adam state, each at the backup's step.
-    latest = sorted((tmp_path / "cut_backups").glob("backup-step*.ckpt"))[-1]
-    state = torch.load(latest, weights_only=True)["optimizer_states"][0]["state"]
-    assert len(state) == 8 and {float(s["step"]) for s in state.values()} == {float(latest.stem[-9:])}
+    assert_composed_run_matches_plain_and_resumes(tmp_path, {**compression, "shard_optimizer_state": True}, compression)
 
 
 def test_manual_optimization_with_two_optimizers_matches_plain(tmp_path):
