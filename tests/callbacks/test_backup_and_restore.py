@@ -117,6 +117,7 @@ def mirrored_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     return tmp, "ref"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("die_at_step", [9])  # mid-epoch 1; the world-size cases stop mid-epoch 0 and at its end
 def test_mirrored_resumes_exactly_with_every_sample_once(
     tmp_path: Path, mirrored_reference: tuple[Path, str], die_at_step: int
@@ -132,6 +133,7 @@ def test_mirrored_resumes_exactly_with_every_sample_once(
     assert epochs == samples_per_epoch(*mirrored_reference)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("before", "after", "die_at_step", "restored"), [(2, 1, 5, 3), (1, 2, 8, 6)])
 def test_mirrored_resumes_on_another_world_size(
     tmp_path: Path, mirrored_reference: tuple[Path, str], before: int, after: int, die_at_step: int, restored: int
@@ -160,6 +162,7 @@ def _resume_case(tmp_path: Path, before: dict[str, Any], after: dict[str, Any], 
 
 
 # 2 stages restored on 4 covers the restore on the same layout too: the reference runs on 4 throughout.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("stages_before", "stages_after"), [(2, 4)])
 def test_pipeline_resumes_exactly_also_onto_another_stage_count(
     tmp_path: Path, stages_before: int, stages_after: int
@@ -178,6 +181,7 @@ def test_pipeline_resumes_exactly_also_onto_another_stage_count(
 
 
 # 1 server restored on 2 covers the restore on the same servers too: the reference runs on 2 throughout.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("servers_before", "servers_after"), [(1, 2)])
 def test_bulk_synchronous_parameter_server_resumes_exactly_also_onto_another_server_count(
     tmp_path: Path, servers_before: int, servers_after: int
@@ -195,6 +199,7 @@ def test_bulk_synchronous_parameter_server_resumes_exactly_also_onto_another_ser
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_path: Path) -> None:
     """Asynchronous: not exact, but the restart loses at most the steps since the last backup and trains as well."""
     spec = {
@@ -218,6 +223,7 @@ def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_pat
     assert abs(resumed["accuracy"] - reference["accuracy"]) <= 0.02
 
 
+@pytest.mark.multiprocess
 def test_the_fault_tolerant_example_resumes_through_ds_train(tmp_path: Path) -> None:
     """BackupAndRestore from YAML under trainer.callbacks: a second ds-train run goes on from the first one's backup."""
     config = tmp_path / "fault_tolerant.yaml"
@@ -231,6 +237,7 @@ def test_the_fault_tolerant_example_resumes_through_ds_train(tmp_path: Path) -> 
     assert "BackupAndRestore: resumed at step 20" in second.output, second.output[-3000:]
 
 
+@pytest.mark.multiprocess
 def test_layer_split_resumes_exactly(tmp_path: Path) -> None:
     spec = {
         "strategy": "ds_model_parallel",
@@ -242,6 +249,7 @@ def test_layer_split_resumes_exactly(tmp_path: Path) -> None:
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_powersgd_error_feedback_comes_back_with_the_backup(tmp_path: Path) -> None:
     """PowerSGD's per-rank memory is part of the backup: without it the resumed run would drift from the reference."""
     spec = {

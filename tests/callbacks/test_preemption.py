@@ -25,6 +25,8 @@ from tests.callbacks.test_backup_and_restore import (
 )
 from tests.helpers.runner import Ranks
 
+pytestmark = pytest.mark.multiprocess
+
 SIGNALS = 20
 EXIT_CODE = 42
 EPOCHS = 24  # 144 steps: an interruption takes 3 to 6 (one to start, up to 3 slept, 2 to agree and back up)
