@@ -17,19 +17,26 @@ import torch
 
 from ds_lightning.callbacks import BackupAndRestore
 from tests.helpers.backup_runs import DIED
-from tests.helpers.runner import CONFIGS, Run, ds_train, quiet_trainer_args, run_module, run_ranks
+from tests.helpers.runner import CONFIGS, Run, WarmRanks, ds_train, quiet_trainer_args, run_module, run_ranks
 
 N = 96  # samples per epoch
 
 
-def train(tmp_path: Path, name: str, spec: dict[str, Any], expect: int = 0, timeout: float = 240) -> dict[str, Any]:
-    """Run one spec; return rank 0's summary (after a full run) and the output."""
+def train(
+    tmp_path: Path,
+    name: str,
+    spec: dict[str, Any],
+    expect: int = 0,
+    timeout: float = 240,
+    warm: WarmRanks | None = None,
+) -> dict[str, Any]:
+    """Run one spec (on ``warm``'s ranks if given); return rank 0's summary (after a full run) and the output."""
     out = tmp_path / name
     spec = {"out": str(out), "n": N, "batch_size": 8, "max_epochs": 2, **spec}
     spec.setdefault("backup_dir", str(tmp_path / f"{name}_backups"))
     path = tmp_path / f"{name}-{expect}.json"
     path.write_text(json.dumps(spec))
-    run = launch(path, spec, timeout)
+    run = launch(path, spec, timeout, warm)
     assert run.returncode == expect, run.output[-6000:]
     result: dict[str, Any] = {"output": run.output}
     if expect == 0:
@@ -44,8 +51,11 @@ def launch_ranks(spec: dict[str, Any]) -> int:
     return devices if devices > 1 and spec.get("strategy", "ds_mirrored") != "ds_parameter_server" else 1
 
 
-def launch(path: Path, spec: dict[str, Any], timeout: float) -> Run:
+def launch(path: Path, spec: dict[str, Any], timeout: float, warm: WarmRanks | None = None) -> Run:
     ranks = launch_ranks(spec)
+    if warm is not None:
+        assert warm.size == ranks > 1, f"{warm.size} warm ranks for a spec that starts {ranks}"
+        return warm.run("tests.helpers.backup_runs", [str(path)], timeout=timeout)
     if ranks > 1:
         return run_ranks("tests.helpers.backup_runs", [str(path)], ranks, timeout=timeout)
     return run_module("tests.helpers.backup_runs", [str(path)], timeout=timeout)
