@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,21 +121,29 @@ def test_options_are_checked_with_the_fix(kwargs: dict[str, Any], match: str) ->
 
 
 @pytest.fixture(scope="module")
-def mirrored_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def pair() -> Iterator[WarmRanks]:
+    """2 ranks importing Lightning once for this file's 2-process runs (each run still 2 fresh, forked processes)."""
+    with WarmRanks(2) as ranks:
+        yield ranks
+
+
+@pytest.fixture(scope="module")
+def mirrored_reference(tmp_path_factory: pytest.TempPathFactory, pair: WarmRanks) -> tuple[Path, str]:
     """ds_mirrored on 2 processes, uninterrupted (global batch 16 kept by accumulation when on 1 process)."""
     tmp = tmp_path_factory.mktemp("reference")
-    train(tmp, "ref", {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 4}})
+    spec = {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 4}}
+    train(tmp, "ref", spec, warm=pair)
     return tmp, "ref"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("die_at_step", [9])  # mid-epoch 1; the world-size cases stop mid-epoch 0 and at its end
 def test_mirrored_resumes_exactly_with_every_sample_once(
-    tmp_path: Path, mirrored_reference: tuple[Path, str], die_at_step: int
+    tmp_path: Path, mirrored_reference: tuple[Path, str], die_at_step: int, pair: WarmRanks
 ) -> None:
     spec = {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 2}}
-    train(tmp_path, "cut", {**spec, "die_at_step": die_at_step}, expect=DIED)
-    resumed = train(tmp_path, "cut", {**spec, "attempt": 1})
+    train(tmp_path, "cut", {**spec, "die_at_step": die_at_step}, expect=DIED, warm=pair)
+    resumed = train(tmp_path, "cut", {**spec, "attempt": 1}, warm=pair)
     assert resumed["restored_from"] is not None and "backup-step" in resumed["restored_from"]
     assert resumed["global_step"] == 12  # 96 samples / 16 per step x 2 epochs: no step added or lost
     assert_same_params(final_params(*mirrored_reference), final_params(tmp_path, "cut"), atol=1e-6)
@@ -146,12 +155,19 @@ def test_mirrored_resumes_exactly_with_every_sample_once(
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("before", "after", "die_at_step", "restored"), [(2, 1, 5, 3), (1, 2, 8, 6)])
 def test_mirrored_resumes_on_another_world_size(
-    tmp_path: Path, mirrored_reference: tuple[Path, str], before: int, after: int, die_at_step: int, restored: int
+    tmp_path: Path,
+    mirrored_reference: tuple[Path, str],
+    before: int,
+    after: int,
+    die_at_step: int,
+    restored: int,
+    pair: WarmRanks,
 ) -> None:
     """Mid-epoch (step 3 of 6) from 2 processes onto 1, and at an epoch's end (step 6) from 1 onto 2."""
     spec = {"global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 3, "async_save": False}}
-    train(tmp_path, "cut", {**spec, "devices": before, "die_at_step": die_at_step}, expect=DIED)
-    resumed = train(tmp_path, "cut", {**spec, "devices": after, "attempt": 1})
+    warm = {2: pair, 1: None}  # 1 process: a plain launch
+    train(tmp_path, "cut", {**spec, "devices": before, "die_at_step": die_at_step}, expect=DIED, warm=warm[before])
+    resumed = train(tmp_path, "cut", {**spec, "devices": after, "attempt": 1}, warm=warm[after])
     assert f"backup-step{restored:09d}" in resumed["restored_from"]
     assert resumed["global_step"] == 12
     assert_same_params(final_params(*mirrored_reference), final_params(tmp_path, "cut"), atol=1e-5)
@@ -161,10 +177,17 @@ def test_mirrored_resumes_on_another_world_size(
 # --- the other strategies ------------------------------------------------------------------------------------------
 
 
-def _resume_case(tmp_path: Path, before: dict[str, Any], after: dict[str, Any], die_at_step: int) -> None:
-    train(tmp_path, "ref", after)
-    train(tmp_path, "cut", {**before, "die_at_step": die_at_step}, expect=DIED)
-    resumed = train(tmp_path, "cut", {**after, "attempt": 1})
+def _resume_case(
+    tmp_path: Path, before: dict[str, Any], after: dict[str, Any], die_at_step: int, pair: WarmRanks | None = None
+) -> None:
+    """``pair``: runs the specs that start 2 processes at once (the others launch their own)."""
+
+    def warm(spec: dict[str, Any]) -> WarmRanks | None:
+        return pair if launch_ranks(spec) == 2 else None
+
+    train(tmp_path, "ref", after, warm=warm(after))
+    train(tmp_path, "cut", {**before, "die_at_step": die_at_step}, expect=DIED, warm=warm(before))
+    resumed = train(tmp_path, "cut", {**after, "attempt": 1}, warm=warm(after))
     assert resumed["restored_from"] is not None
     assert resumed["global_step"] == 12
     replicas = before["strategy"] != "ds_pipeline"
@@ -175,7 +198,7 @@ def _resume_case(tmp_path: Path, before: dict[str, Any], after: dict[str, Any], 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(("stages_before", "stages_after"), [(2, 4)])
 def test_pipeline_resumes_exactly_also_onto_another_stage_count(
-    tmp_path: Path, stages_before: int, stages_after: int
+    tmp_path: Path, stages_before: int, stages_after: int, pair: WarmRanks
 ) -> None:
     def spec(stages: int) -> dict[str, Any]:
         return {
@@ -186,7 +209,7 @@ def test_pipeline_resumes_exactly_also_onto_another_stage_count(
             "backup": {"every_n_train_steps": 2, "async_save": False},
         }
 
-    _resume_case(tmp_path, spec(stages_before), spec(stages_after), die_at_step=5)
+    _resume_case(tmp_path, spec(stages_before), spec(stages_after), die_at_step=5, pair=pair)
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
 
 
@@ -260,12 +283,13 @@ def test_layer_split_resumes_exactly(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_powersgd_error_feedback_comes_back_with_the_backup(tmp_path: Path) -> None:
+def test_powersgd_error_feedback_comes_back_with_the_backup(tmp_path: Path, pair: WarmRanks) -> None:
     """PowerSGD's per-rank memory is part of the backup: without it the resumed run would drift from the reference."""
     spec = {
         "devices": 2,
         "strategy_kwargs": {"gradient_compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
         "backup": {"every_n_train_steps": 2, "async_save": False},
     }
-    _resume_case(tmp_path, {**spec, "strategy": "ds_mirrored"}, {**spec, "strategy": "ds_mirrored"}, die_at_step=5)
+    mirrored = {**spec, "strategy": "ds_mirrored"}
+    _resume_case(tmp_path, mirrored, mirrored, die_at_step=5, pair=pair)
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
