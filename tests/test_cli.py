@@ -224,11 +224,13 @@ def early_exits(tmp_path_factory) -> dict[str, tuple[str, str]]:
     return dict(zip(calls, _cli_calls(list(calls.values())), strict=True))
 
 
+@pytest.mark.multiprocess
 def test_print_config_shows_the_strategy_and_options(early_exits):
     assert "strategy: ds_mirrored" in early_exits["print-name"][1]
     assert "strategy: ds_lightning.strategies.MirroredStrategy" in early_exits["print-class-path"][1]
 
 
+@pytest.mark.multiprocess
 def test_unknown_ds_name_lists_the_available_ones(early_exits):
     code, output = early_exits["unknown-name"]
     assert code != "0"
@@ -237,6 +239,7 @@ def test_unknown_ds_name_lists_the_available_ones(early_exits):
     assert "Initializing distributed" not in output
 
 
+@pytest.mark.multiprocess
 def test_more_devices_than_available_fails_at_construction(early_exits):
     code, output = early_exits["too-many-cuda"]
     assert code != "0"
@@ -246,6 +249,7 @@ def test_more_devices_than_available_fails_at_construction(early_exits):
     assert "Initializing distributed" not in output
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("label", list(BAD_OVERRIDES))
 def test_bad_configuration_fails_before_processes_start(early_exits, label):
     code, output = early_exits[label]
@@ -254,6 +258,7 @@ def test_bad_configuration_fails_before_processes_start(early_exits, label):
     assert "Initializing distributed" not in output
 
 
+@pytest.mark.multiprocess
 def test_example_configs_parse(early_exits):
     assert sorted(p.name for p in CONFIGS.glob("*.yaml")) == sorted(EXPECTED_CONFIGS)  # a new example needs a line
     for name, text in EXPECTED_CONFIGS.items():

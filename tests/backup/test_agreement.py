@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -23,6 +24,7 @@ def test_one_process_gets_its_own_flags_back_one_step_late() -> None:
     assert agreement.collect(2) == (False, False)
 
 
+@pytest.mark.multiprocess
 def test_a_flag_one_rank_raises_reaches_every_rank_at_the_same_next_step(tmp_path: Path) -> None:
     out = tmp_path / "agree"
     mp.spawn(agreement_workers.agree_over_steps, args=(3, free_port(), str(out)), nprocs=3, join=True)

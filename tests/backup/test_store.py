@@ -32,6 +32,7 @@ while True:
 """
 
 
+@pytest.mark.multiprocess
 def test_a_kill_in_the_middle_of_a_write_leaves_the_previous_backup_loadable(tmp_path: Path) -> None:
     child = subprocess.Popen(
         [sys.executable, "-c", _ENDLESS_WRITER, str(tmp_path)], cwd=REPO, env=worker_env(), stdout=subprocess.PIPE

@@ -123,6 +123,7 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
     assert summary["meta"]["unit"] == "tokens" and summary["meta"]["per_step"] == 1024
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("impl", ["hand", "ds"])
 def test_tiny_gpt_runs_both_schedules_with_activations_per_stage(impl: str, tmp_path: Path):
     opts = _opts(

@@ -68,6 +68,7 @@ def _reference(spec: dict[str, Any]) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in workload.net.parameters()])
 
 
+@pytest.mark.multiprocess
 def test_fsdp_worker_on_two_processes_halves_the_state_and_matches_one_process(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))

@@ -6,6 +6,8 @@ import csv
 import json
 from pathlib import Path
 
+import pytest
+
 from ds_lightning.callbacks import GradientAccumulation, LRScaling, MixedPrecision
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from ds_lightning.strategies import LayerSplitStrategy
@@ -14,6 +16,7 @@ from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
 from tests.helpers.trainers import quiet_trainer
 
 
+@pytest.mark.multiprocess
 def test_the_callbacks_example_trains_with_all_four_live(tmp_path):
     """Also the check that bf16 autocast on CPU trains the digits to accuracy: the example uses bf16."""
     report, out = tmp_path / "report.json", tmp_path / "steps"

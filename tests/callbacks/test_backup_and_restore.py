@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,19 +18,26 @@ import torch
 
 from ds_lightning.callbacks import BackupAndRestore
 from tests.helpers.backup_runs import DIED
-from tests.helpers.runner import CONFIGS, Run, ds_train, quiet_trainer_args, run_module, run_ranks
+from tests.helpers.runner import CONFIGS, Run, WarmRanks, ds_train, quiet_trainer_args, run_module, run_ranks
 
 N = 96  # samples per epoch
 
 
-def train(tmp_path: Path, name: str, spec: dict[str, Any], expect: int = 0, timeout: float = 240) -> dict[str, Any]:
-    """Run one spec; return rank 0's summary (after a full run) and the output."""
+def train(
+    tmp_path: Path,
+    name: str,
+    spec: dict[str, Any],
+    expect: int = 0,
+    timeout: float = 240,
+    warm: WarmRanks | None = None,
+) -> dict[str, Any]:
+    """Run one spec (on ``warm``'s ranks if given); return rank 0's summary (after a full run) and the output."""
     out = tmp_path / name
     spec = {"out": str(out), "n": N, "batch_size": 8, "max_epochs": 2, **spec}
     spec.setdefault("backup_dir", str(tmp_path / f"{name}_backups"))
     path = tmp_path / f"{name}-{expect}.json"
     path.write_text(json.dumps(spec))
-    run = launch(path, spec, timeout)
+    run = launch(path, spec, timeout, warm)
     assert run.returncode == expect, run.output[-6000:]
     result: dict[str, Any] = {"output": run.output}
     if expect == 0:
@@ -44,8 +52,11 @@ def launch_ranks(spec: dict[str, Any]) -> int:
     return devices if devices > 1 and spec.get("strategy", "ds_mirrored") != "ds_parameter_server" else 1
 
 
-def launch(path: Path, spec: dict[str, Any], timeout: float) -> Run:
+def launch(path: Path, spec: dict[str, Any], timeout: float, warm: WarmRanks | None = None) -> Run:
     ranks = launch_ranks(spec)
+    if warm is not None:
+        assert warm.size == ranks > 1, f"{warm.size} warm ranks for a spec that starts {ranks}"
+        return warm.run("tests.helpers.backup_runs", [str(path)], timeout=timeout)
     if ranks > 1:
         return run_ranks("tests.helpers.backup_runs", [str(path)], ranks, timeout=timeout)
     return run_module("tests.helpers.backup_runs", [str(path)], timeout=timeout)
@@ -110,20 +121,29 @@ def test_options_are_checked_with_the_fix(kwargs: dict[str, Any], match: str) ->
 
 
 @pytest.fixture(scope="module")
-def mirrored_reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+def pair() -> Iterator[WarmRanks]:
+    """2 ranks importing Lightning once for this file's 2-process runs (each run still 2 fresh, forked processes)."""
+    with WarmRanks(2) as ranks:
+        yield ranks
+
+
+@pytest.fixture(scope="module")
+def mirrored_reference(tmp_path_factory: pytest.TempPathFactory, pair: WarmRanks) -> tuple[Path, str]:
     """ds_mirrored on 2 processes, uninterrupted (global batch 16 kept by accumulation when on 1 process)."""
     tmp = tmp_path_factory.mktemp("reference")
-    train(tmp, "ref", {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 4}})
+    spec = {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 4}}
+    train(tmp, "ref", spec, warm=pair)
     return tmp, "ref"
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("die_at_step", [9])  # mid-epoch 1; the world-size cases stop mid-epoch 0 and at its end
 def test_mirrored_resumes_exactly_with_every_sample_once(
-    tmp_path: Path, mirrored_reference: tuple[Path, str], die_at_step: int
+    tmp_path: Path, mirrored_reference: tuple[Path, str], die_at_step: int, pair: WarmRanks
 ) -> None:
     spec = {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 2}}
-    train(tmp_path, "cut", {**spec, "die_at_step": die_at_step}, expect=DIED)
-    resumed = train(tmp_path, "cut", {**spec, "attempt": 1})
+    train(tmp_path, "cut", {**spec, "die_at_step": die_at_step}, expect=DIED, warm=pair)
+    resumed = train(tmp_path, "cut", {**spec, "attempt": 1}, warm=pair)
     assert resumed["restored_from"] is not None and "backup-step" in resumed["restored_from"]
     assert resumed["global_step"] == 12  # 96 samples / 16 per step x 2 epochs: no step added or lost
     assert_same_params(final_params(*mirrored_reference), final_params(tmp_path, "cut"), atol=1e-6)
@@ -132,14 +152,22 @@ def test_mirrored_resumes_exactly_with_every_sample_once(
     assert epochs == samples_per_epoch(*mirrored_reference)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("before", "after", "die_at_step", "restored"), [(2, 1, 5, 3), (1, 2, 8, 6)])
 def test_mirrored_resumes_on_another_world_size(
-    tmp_path: Path, mirrored_reference: tuple[Path, str], before: int, after: int, die_at_step: int, restored: int
+    tmp_path: Path,
+    mirrored_reference: tuple[Path, str],
+    before: int,
+    after: int,
+    die_at_step: int,
+    restored: int,
+    pair: WarmRanks,
 ) -> None:
     """Mid-epoch (step 3 of 6) from 2 processes onto 1, and at an epoch's end (step 6) from 1 onto 2."""
     spec = {"global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 3, "async_save": False}}
-    train(tmp_path, "cut", {**spec, "devices": before, "die_at_step": die_at_step}, expect=DIED)
-    resumed = train(tmp_path, "cut", {**spec, "devices": after, "attempt": 1})
+    warm = {2: pair, 1: None}  # 1 process: a plain launch
+    train(tmp_path, "cut", {**spec, "devices": before, "die_at_step": die_at_step}, expect=DIED, warm=warm[before])
+    resumed = train(tmp_path, "cut", {**spec, "devices": after, "attempt": 1}, warm=warm[after])
     assert f"backup-step{restored:09d}" in resumed["restored_from"]
     assert resumed["global_step"] == 12
     assert_same_params(final_params(*mirrored_reference), final_params(tmp_path, "cut"), atol=1e-5)
@@ -149,10 +177,17 @@ def test_mirrored_resumes_on_another_world_size(
 # --- the other strategies ------------------------------------------------------------------------------------------
 
 
-def _resume_case(tmp_path: Path, before: dict[str, Any], after: dict[str, Any], die_at_step: int) -> None:
-    train(tmp_path, "ref", after)
-    train(tmp_path, "cut", {**before, "die_at_step": die_at_step}, expect=DIED)
-    resumed = train(tmp_path, "cut", {**after, "attempt": 1})
+def _resume_case(
+    tmp_path: Path, before: dict[str, Any], after: dict[str, Any], die_at_step: int, pair: WarmRanks | None = None
+) -> None:
+    """``pair``: runs the specs that start 2 processes at once (the others launch their own)."""
+
+    def warm(spec: dict[str, Any]) -> WarmRanks | None:
+        return pair if launch_ranks(spec) == 2 else None
+
+    train(tmp_path, "ref", after, warm=warm(after))
+    train(tmp_path, "cut", {**before, "die_at_step": die_at_step}, expect=DIED, warm=warm(before))
+    resumed = train(tmp_path, "cut", {**after, "attempt": 1}, warm=warm(after))
     assert resumed["restored_from"] is not None
     assert resumed["global_step"] == 12
     replicas = before["strategy"] != "ds_pipeline"
@@ -160,9 +195,10 @@ def _resume_case(tmp_path: Path, before: dict[str, Any], after: dict[str, Any], 
 
 
 # 2 stages restored on 4 covers the restore on the same layout too: the reference runs on 4 throughout.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("stages_before", "stages_after"), [(2, 4)])
 def test_pipeline_resumes_exactly_also_onto_another_stage_count(
-    tmp_path: Path, stages_before: int, stages_after: int
+    tmp_path: Path, stages_before: int, stages_after: int, pair: WarmRanks
 ) -> None:
     def spec(stages: int) -> dict[str, Any]:
         return {
@@ -173,11 +209,12 @@ def test_pipeline_resumes_exactly_also_onto_another_stage_count(
             "backup": {"every_n_train_steps": 2, "async_save": False},
         }
 
-    _resume_case(tmp_path, spec(stages_before), spec(stages_after), die_at_step=5)
+    _resume_case(tmp_path, spec(stages_before), spec(stages_after), die_at_step=5, pair=pair)
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
 
 
 # 1 server restored on 2 covers the restore on the same servers too: the reference runs on 2 throughout.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("servers_before", "servers_after"), [(1, 2)])
 def test_bulk_synchronous_parameter_server_resumes_exactly_also_onto_another_server_count(
     tmp_path: Path, servers_before: int, servers_after: int
@@ -195,6 +232,7 @@ def test_bulk_synchronous_parameter_server_resumes_exactly_also_onto_another_ser
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_path: Path) -> None:
     """Asynchronous: not exact, but the restart loses at most the steps since the last backup and trains as well."""
     spec = {
@@ -218,6 +256,7 @@ def test_a_lost_parameter_server_ends_the_run_and_a_restart_completes_it(tmp_pat
     assert abs(resumed["accuracy"] - reference["accuracy"]) <= 0.02
 
 
+@pytest.mark.multiprocess
 def test_the_fault_tolerant_example_resumes_through_ds_train(tmp_path: Path) -> None:
     """BackupAndRestore from YAML under trainer.callbacks: a second ds-train run goes on from the first one's backup."""
     config = tmp_path / "fault_tolerant.yaml"
@@ -231,6 +270,7 @@ def test_the_fault_tolerant_example_resumes_through_ds_train(tmp_path: Path) -> 
     assert "BackupAndRestore: resumed at step 20" in second.output, second.output[-3000:]
 
 
+@pytest.mark.multiprocess
 def test_layer_split_resumes_exactly(tmp_path: Path) -> None:
     spec = {
         "strategy": "ds_model_parallel",
@@ -242,12 +282,14 @@ def test_layer_split_resumes_exactly(tmp_path: Path) -> None:
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)
 
 
-def test_powersgd_error_feedback_comes_back_with_the_backup(tmp_path: Path) -> None:
+@pytest.mark.multiprocess
+def test_powersgd_error_feedback_comes_back_with_the_backup(tmp_path: Path, pair: WarmRanks) -> None:
     """PowerSGD's per-rank memory is part of the backup: without it the resumed run would drift from the reference."""
     spec = {
         "devices": 2,
         "strategy_kwargs": {"gradient_compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
         "backup": {"every_n_train_steps": 2, "async_save": False},
     }
-    _resume_case(tmp_path, {**spec, "strategy": "ds_mirrored"}, {**spec, "strategy": "ds_mirrored"}, die_at_step=5)
+    mirrored = {**spec, "strategy": "ds_mirrored"}
+    _resume_case(tmp_path, mirrored, mirrored, die_at_step=5, pair=pair)
     assert_same_params(final_params(tmp_path, "ref"), final_params(tmp_path, "cut"), atol=1e-6)

@@ -98,6 +98,7 @@ def _reference_params(epochs: int, batches_per_epoch: int, micro: int, k: int, l
     return {k_: v.detach() for k_, v in model.state_dict().items()}
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_reach_a_global_batch_of_64_like_one_process_including_the_partial_window(tmp_path):
     micro, epochs, batches, lr = 16, 2, 5, 0.2  # per epoch: windows of 2, 2, then 1 micro-batches
     out = tmp_path / "run"

@@ -117,6 +117,7 @@ def _args(tmp_path: Path, out: Path, balancer: list[str], model: list[str], step
     ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("balancer_batch", "loader_batch"),
     [
@@ -146,6 +147,7 @@ def test_forced_uneven_shares_match_one_process_on_the_global_batch(tmp_path, ba
             assert_close(saved["state_dict"][name], value, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_shares_move_to_the_fast_rank_and_step_counts_stay_equal(tmp_path):
     steps = 40
     out = tmp_path / "run"

@@ -69,6 +69,7 @@ def _args(tmp_path: Path, out: Path, devices: int, max_steps: int) -> list[str]:
     ]
 
 
+@pytest.mark.multiprocess
 def test_lr_follows_the_formula_with_warmup_and_a_scheduler_and_resume_rescales_only_the_change(tmp_path):
     first = tmp_path / "first"
     ds_train(_args(tmp_path, first, devices=2, max_steps=5))

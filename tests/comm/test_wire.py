@@ -21,9 +21,7 @@ def logged(tmp_path_factory) -> dict:
     return torch.load(out, weights_only=True)
 
 
-pytestmark = pytest.mark.multiprocess
-
-
+@pytest.mark.multiprocess
 def test_plain_all_reduce_sends_every_gradient_in_float32(logged):
     gradient_bytes = sum(p.numel() for p in wire_workers.model().parameters()) * FLOAT32
     measured = logged["none_logged"]
@@ -35,6 +33,7 @@ def test_plain_all_reduce_sends_every_gradient_in_float32(logged):
     assert logged["none"]["bytes_per_step"] == logged["none"]["uncompressed_bytes_per_step"] == gradient_bytes
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("name", "dtype"), [("fp16", "torch.float16"), ("bf16", "torch.bfloat16")])
 def test_half_width_hooks_send_half_of_none_in_their_own_dtype(logged, name, dtype):
     measured = logged[name]
@@ -46,6 +45,7 @@ def test_half_width_hooks_send_half_of_none_in_their_own_dtype(logged, name, dty
         assert_close(got, mean, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.multiprocess
 def test_powersgd_sends_its_low_rank_factors_after_the_warm_up(logged):
     measured = logged["powersgd"]
     full = logged["none_logged"]["bytes_per_step"]

@@ -15,6 +15,7 @@ pytestmark = pytest.mark.cuda
 TOLERANCE = {"none": 1e-4, "fp16": 2e-3, "bf16": 2e-2}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("compression", ["none", "fp16", "bf16", "powersgd"])
 def test_ds_mirrored_on_nccl_matches_one_cpu_process_and_learns(tmp_path, compression):
     world = gpus()

@@ -10,6 +10,7 @@ from tests.gpu._cuda import assert_learned, cpu_reference, gpus, launch
 pytestmark = pytest.mark.cuda
 
 
+@pytest.mark.multiprocess
 def test_a_cuda_worker_pushes_and_pulls_through_a_cpu_server_like_one_process(tmp_path):
     world = gpus()
     options = {"num_servers": 1, "max_staleness": 0}  # bulk synchronous: the numerics of one process

@@ -10,6 +10,7 @@ from tests.gpu._cuda import assert_learned, cpu_reference, gpus, launch
 pytestmark = pytest.mark.cuda
 
 
+@pytest.mark.multiprocess
 def test_two_pipeline_stages_on_cuda_match_one_cpu_process(tmp_path):
     world = gpus()
     if world == 1:  # one process runs both stages (an interleaved schedule), on the one GPU

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import queue
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +27,7 @@ __all__ = [
     "REPO",
     "Ranks",
     "Run",
+    "WarmRanks",
     "ds_train",
     "free_port",
     "quiet_trainer_args",
@@ -127,14 +133,7 @@ class Ranks:
             log.seek(0)
             outputs.append(log.read())
             log.close()
-        codes = [proc.returncode for proc in self.procs]
-        code = codes[0] or next((c for c in codes if c), 0)
-        text = "".join(
-            f"--- rank {rank} (exit {c}) ---\n{out}" for rank, (c, out) in enumerate(zip(codes, outputs, strict=True))
-        )
-        if late:
-            text += f"--- killed: still running after {timeout:.0f} s ---\n"
-        return Run(code, text, time.monotonic() - self.start)
+        return _ranks_run([proc.returncode for proc in self.procs], outputs, late, timeout, self.start)
 
     def kill(self) -> None:
         for proc in self.procs:
@@ -143,9 +142,150 @@ class Ranks:
                 proc.wait()
 
 
+def _ranks_run(codes: list[int], outputs: list[str], late: bool, timeout: float, start: float) -> Run:
+    """One run of several ranks: rank 0's code, or the first other rank's failure when rank 0 succeeded."""
+    code = codes[0] or next((c for c in codes if c), 0)
+    text = "".join(
+        f"--- rank {rank} (exit {c}) ---\n{out}" for rank, (c, out) in enumerate(zip(codes, outputs, strict=True))
+    )
+    if late:
+        text += f"--- killed: still running after {timeout:.0f} s ---\n"
+    return Run(code, text, time.monotonic() - start)
+
+
 def run_ranks(module: str, args: list[str], ranks: int, timeout: float = 180, env: dict[str, str] | None = None) -> Run:
     """Run ``python -m module args`` as ``ranks`` processes started together (see :class:`Ranks`)."""
     return Ranks(module, args, ranks, env).wait(timeout)
+
+
+class WarmRanks:
+    """``ranks`` processes that import Lightning once, then fork each run's rank (``tests/helpers/warm_start.py``).
+
+    For a test that restarts one training many times: every run is still fresh processes (own pids, signals and exit
+    codes, as :class:`Ranks` starts), without the imports that take most of a short run's launch. One run at a time,
+    each on a fresh rendezvous port; use as a context manager.
+    """
+
+    def __init__(self, ranks: int, preload: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
+        """``preload``: the modules to import once (default: torch, Lightning, ds_lightning)."""
+        base = env or worker_env()
+        self.size = ranks
+        self._dir = tempfile.TemporaryDirectory()
+        self._errors = [tempfile.TemporaryFile("w+", errors="replace") for _ in range(ranks)]  # noqa: SIM115 (close)
+        self._answers: list[queue.Queue[dict[str, Any]]] = [queue.Queue() for _ in range(ranks)]
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-m", "tests.helpers.warm_start", *preload],
+                cwd=REPO,
+                env={**base, "LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(ranks)},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=error,
+                text=True,
+            )
+            for rank, error in enumerate(self._errors)
+        ]
+        for proc, answers in zip(self.procs, self._answers, strict=True):
+            threading.Thread(target=_read_answers, args=(proc.stdout, answers), daemon=True).start()
+        self.runs = 0
+        self.pids: list[int] = []
+        self._exits: list[int | None] = []
+        self._logs: list[Path] = []
+        self.start = time.monotonic()
+
+    def __enter__(self) -> WarmRanks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, module: str, args: list[str], timeout: float = 180) -> Run:
+        """:meth:`launch` then :meth:`wait`."""
+        self.launch(module, args)
+        return self.wait(timeout)
+
+    def launch(self, module: str, args: list[str], imports_timeout: float = 180) -> None:
+        """Start ``python -m module args`` on every rank; the first run waits up to ``imports_timeout`` for imports."""
+        assert all(code is not None for code in self._exits), "the previous run is still going: wait for it first"
+        port = str(free_port())
+        self._logs = [Path(self._dir.name) / f"run{self.runs}.rank{rank}.log" for rank in range(self.size)]
+        for proc, log in zip(self.procs, self._logs, strict=True):
+            run = {"module": module, "args": args, "env": {"MASTER_PORT": port}, "log": str(log)}
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps(run) + "\n")
+            proc.stdin.flush()
+        self.runs += 1
+        self.start = time.monotonic()
+        self.pids = [self._next(rank, "pid", self.start + imports_timeout) for rank in range(self.size)]
+        self.start = time.monotonic()  # the run starts once forked: the imports were paid before
+        self._exits = [None] * self.size
+
+    def poll(self) -> bool:
+        """Whether every rank of the current run is still running."""
+        for rank in range(self.size):
+            if self._exits[rank] is None and not self._answers[rank].empty():
+                self._exits[rank] = self._next(rank, "exit", time.monotonic() + 1)
+        return all(code is None for code in self._exits)
+
+    def wait(self, timeout: float) -> Run:
+        """The run's exit as :meth:`Ranks.wait` gives it; ranks running ``timeout`` s after the start are killed."""
+        late = False
+        try:
+            for rank in range(self.size):
+                if self._exits[rank] is None:
+                    self._exits[rank] = self._next(rank, "exit", self.start + timeout)
+        except TimeoutError:
+            late = True  # killed below: the code (-9) and the output say what each rank had done
+        finally:
+            self.kill()
+        outputs = [log.read_text(errors="replace") if log.exists() else "" for log in self._logs]
+        codes = [code if code is not None else -signal.SIGKILL for code in self._exits]
+        return _ranks_run(codes, outputs, late, timeout, self.start)
+
+    def kill(self) -> None:
+        """SIGKILL the current run's ranks that still run, and wait (30 s at most) for their exits."""
+        for rank, pid in enumerate(self.pids):
+            if self._exits[rank] is None:
+                with contextlib.suppress(ProcessLookupError):  # it ended meanwhile: its exit is on the way
+                    os.kill(pid, signal.SIGKILL)
+        for rank in range(len(self.pids)):
+            if self._exits[rank] is None:
+                self._exits[rank] = self._next(rank, "exit", time.monotonic() + 30)
+
+    def close(self) -> None:
+        """End the current run (killed) and the warm processes."""
+        try:
+            if self.pids:
+                self.kill()
+        finally:
+            for proc in self.procs:
+                if proc.stdin is not None:
+                    proc.stdin.close()  # the end of its runs: it exits
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+            for error in self._errors:
+                error.close()
+            self._dir.cleanup()
+
+    def _next(self, rank: int, key: str, deadline: float) -> int:
+        try:
+            answer = self._answers[rank].get(timeout=max(deadline - time.monotonic(), 0.1))
+        except queue.Empty:
+            raise TimeoutError(f"warm rank {rank}: no {key!r} by the deadline") from None
+        if key not in answer:
+            self._errors[rank].seek(0)
+            error = self._errors[rank].read()[-4000:]
+            raise AssertionError(f"warm rank {rank} answered {answer} for {key!r}:\n{error}")
+        return int(answer[key])
+
+
+def _read_answers(stream: Any, answers: queue.Queue[dict[str, Any]]) -> None:
+    for line in stream:
+        answers.put(json.loads(line))
+    answers.put({"closed": True})
 
 
 def quiet_trainer_args(root: Path) -> list[str]:

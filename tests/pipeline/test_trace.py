@@ -299,6 +299,7 @@ def test_render_timeline_png_without_matplotlib_says_how_to_install(tmp_path, mo
         render_timeline_png(_trace_spans(), tmp_path / "t.png")
 
 
+@pytest.mark.multiprocess
 def test_importing_trace_does_not_import_matplotlib():
     import subprocess
 

@@ -18,8 +18,6 @@ from ds_lightning.strategies import MirroredStrategy
 from tests.comm.wire_workers import expected_powersgd_bytes
 from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
 
-pytestmark = pytest.mark.multiprocess
-
 MIRRORED = str(CONFIGS / "mirrored.yaml")
 
 
@@ -90,6 +88,7 @@ def _reference_params(batch_size: int, steps: int, lr: float) -> dict[str, torch
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_match_single_process_with_double_batch(tmp_path):
     batch, steps, lr = 16, 12, 0.2
     out = tmp_path / "params"
@@ -129,6 +128,7 @@ def _strategy_yaml(path: Path, init_args: dict) -> Path:
     return path
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("init_args", "expected"),
     [
@@ -174,6 +174,7 @@ def test_every_option_reaches_the_live_strategy_from_yaml(tmp_path, init_args, e
 # --- compression: converges on the digits, PowerSGD on a large model on gloo ---------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("compression", ["fp16", "bf16", "powersgd"])
 def test_compressed_training_converges_on_digits(tmp_path, compression):
     report, wire = tmp_path / "report.json", tmp_path / "wire.json"
@@ -208,6 +209,7 @@ def test_compressed_training_converges_on_digits(tmp_path, compression):
         assert sent["comm_bytes_per_step"] == sent["last_step_bytes"] == full / 2, (sent, full)
 
 
+@pytest.mark.multiprocess
 def test_powersgd_runs_on_gloo_with_a_large_multi_bucket_model(tmp_path):
     """torch's stock hook aborted here on gloo for 64-1024-1024-10 ("Received data size doesn't match")."""
     report = tmp_path / "report.json"
@@ -254,6 +256,7 @@ def _fit_args(tmp_path: Path, compression: str, epochs: int, out: Path) -> list[
 
 
 # PowerSGD only: its run covers everything the plain one would, plus the per-rank compression state.
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("compression", ["powersgd"])
 def test_resume_matches_uninterrupted_run_and_checkpoint_loads_on_one_device(tmp_path, compression):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
@@ -304,6 +307,7 @@ def _uneven_args(tmp_path: Path, out: Path, data: list[str], extra: list[str] = 
     ]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("data", "extra", "steps_per_epoch"),
     [
@@ -333,6 +337,7 @@ _COLLECTIVE_TIMEOUT_S = 10
 _START_AND_EPOCH_MARGIN_S = 110  # two ranks start and run one epoch of the stream, on a loaded machine
 
 
+@pytest.mark.multiprocess
 def test_uneven_iterable_without_the_guard_fails_within_the_timeout(tmp_path):
     """With ``even_batches=false`` the longer rank waits in all-reduce; the timeout turns that into an error."""
     out = tmp_path / "params"

@@ -23,8 +23,6 @@ from tests.helpers.sharding_runs import (
     resume_on_one_device,
 )
 
-pytestmark = pytest.mark.multiprocess
-
 FSDP2 = "--trainer.strategy.sharding_engine=fsdp2"
 
 
@@ -74,6 +72,7 @@ def runs(plain_adam_run):
     return root
 
 
+@pytest.mark.multiprocess
 def test_fsdp2_training_matches_plain_ds_mirrored_under_adam(runs):
     plain, sharded = params(runs / "plain" / "params", 0), params(runs / "fsdp2" / "params", 0)
     assert plain["global_step"] == sharded["global_step"] == 2 * STEPS_PER_EPOCH
@@ -85,6 +84,7 @@ def test_fsdp2_training_matches_plain_ds_mirrored_under_adam(runs):
         assert_close(sharded["state_dict"][name], value, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.multiprocess
 def test_each_rank_holds_about_half_of_the_optimizer_state(runs):
     whole = record(runs / "plain" / "params", 0)["state_bytes"]
     sharded = [record(runs / "fsdp2" / "params", r) for r in range(2)]
@@ -95,6 +95,7 @@ def test_each_rank_holds_about_half_of_the_optimizer_state(runs):
     print(f"optimizer-state bytes per rank: plain {whole}, fsdp2 {[r['state_bytes'] for r in sharded]}")
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_holds_the_plain_layout_and_loads_on_one_device(runs, tmp_path):
     sharded_ckpt, plain_ckpt = epoch_checkpoint(runs / "fsdp2"), epoch_checkpoint(runs / "plain")
     assert_plain_optimizer_layout(sharded_ckpt, plain_ckpt)
@@ -107,6 +108,7 @@ def test_checkpoint_holds_the_plain_layout_and_loads_on_one_device(runs, tmp_pat
     resume_on_one_device(sharded_ckpt, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_resumes_at_world_size_1_across_engines(runs, tmp_path):
     """fsdp2 resumes plain ds_mirrored's checkpoint, and the zero engine fsdp2's, on one rank: the same training."""
     arms = {"fsdp2": (epoch_checkpoint(runs / "plain"), [FSDP2]), "zero": (epoch_checkpoint(runs / "fsdp2"), [])}
@@ -123,6 +125,7 @@ def test_resumes_at_world_size_1_across_engines(runs, tmp_path):
     assert record(tmp_path / "fsdp2" / "params", 0)["state_bytes"] == whole  # one rank holds all of it
 
 
+@pytest.mark.multiprocess
 def test_accumulation_clipping_and_validation_match_plain(tmp_path):
     """Under accumulation FSDP2 skips the reduce-scatter of every micro-batch but the window's last; clipping takes the
     norm over every rank's shards; validation between steps leaves the parameters gathered, and training goes on."""

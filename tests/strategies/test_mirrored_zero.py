@@ -21,9 +21,6 @@ from tests.helpers.sharding_runs import fit_args as _fit_args
 from tests.helpers.sharding_runs import params as _params
 from tests.helpers.sharding_runs import record as _record
 
-pytestmark = pytest.mark.multiprocess
-
-
 # --- options (no processes) ----------------------------------------------------------------------------------------
 
 
@@ -52,6 +49,7 @@ def test_sharding_refuses_parameters_of_several_dtypes():
 # --- the sharding module on its own (2 processes, no Lightning) ----------------------------------------------------
 
 
+@pytest.mark.multiprocess
 def test_scheduler_sets_the_lr_the_sharded_step_applies_and_state_round_trips(tmp_path):
     out = tmp_path / "zero"
     mp.spawn(zero_workers.scheduler_drives_the_sharded_step, args=(2, free_port(), str(out)), nprocs=2, join=True)
@@ -95,6 +93,7 @@ def runs(plain_adam_run):
     return root
 
 
+@pytest.mark.multiprocess
 def test_sharded_training_matches_plain_ds_mirrored_under_adam(runs):
     plain, sharded = _params(runs / "plain" / "params", 0), _params(runs / "sharded" / "params", 0)
     assert plain["global_step"] == sharded["global_step"] == 46  # 2 epochs of 23 steps
@@ -109,6 +108,7 @@ def test_sharded_training_matches_plain_ds_mirrored_under_adam(runs):
         )
 
 
+@pytest.mark.multiprocess
 def test_each_rank_holds_about_half_of_the_optimizer_state(runs):
     plain = [_record(runs / "plain" / "params", r) for r in range(2)]
     sharded = [_record(runs / "sharded" / "params", r) for r in range(2)]
@@ -122,6 +122,7 @@ def test_each_rank_holds_about_half_of_the_optimizer_state(runs):
     print(f"optimizer-state bytes per rank: plain {whole}, sharded {[r['state_bytes'] for r in sharded]}")
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_holds_the_plain_layout_and_loads_on_one_device(runs, tmp_path):
     sharded_ckpt = epoch_checkpoint(runs / "sharded")
     state = assert_plain_optimizer_layout(sharded_ckpt, epoch_checkpoint(runs / "plain"))
@@ -136,6 +137,7 @@ def test_checkpoint_holds_the_plain_layout_and_loads_on_one_device(runs, tmp_pat
     resume_on_one_device(sharded_ckpt, tmp_path)
 
 
+@pytest.mark.multiprocess
 def test_resume_on_two_sharded_ranks_equals_the_uninterrupted_run(runs, tmp_path):
     (checkpoint,) = (runs / "sharded" / "ckpt").glob("epoch=0-*.ckpt")
     out = tmp_path / "params"
@@ -152,12 +154,14 @@ def test_resume_on_two_sharded_ranks_equals_the_uninterrupted_run(runs, tmp_path
 # --- composed: PowerSGD, accumulation, LR scaling, a step scheduler and BackupAndRestore ------------------------------
 
 
+@pytest.mark.multiprocess
 def test_composes_with_powersgd_accumulation_lr_scaling_and_resumes_from_a_backup(tmp_path):
     """Adam with a StepLR per step; global batch 32 = 2 ranks x 8 x 2 accumulated; 12 steps over 4 epochs."""
     compression = {"gradient_compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2}
     assert_composed_run_matches_plain_and_resumes(tmp_path, {**compression, "shard_optimizer_state": True}, compression)
 
 
+@pytest.mark.multiprocess
 def test_manual_optimization_with_two_optimizers_matches_plain(tmp_path):
     """Each optimizer is sharded on its own; stepping one of them every other batch (on every rank) stays in parity."""
     results = []

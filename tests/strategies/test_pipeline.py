@@ -537,6 +537,7 @@ def test_example_pipeline_config_trains_the_digits_with_ds_train(tmp_path):
     assert trace.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.multiprocess
 def test_accumulation_and_lr_scaling_callbacks_drive_the_pipeline(tmp_path):
     out = tmp_path / "steps"
     ds_train(
