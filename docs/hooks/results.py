@@ -6,6 +6,8 @@ A page writes a reference where the figure goes, never the number::
     {{ result("mirrored_gpt", "summary.ds_mirrored.over_plain_ddp.median", fmt=".3f") }}  -> 1.113
     {{ result("memory", "summary.fsdp2.state_ratio.median", fmt=".1%") }}         -> 50.0%
     {{ result("mirrored", "summary.ds_mirrored.comm_bytes_per_step.median", scale=1e-6, fmt=".2f") }} -> 4.51
+    {{ ratio("mirrored", "summary.powersgd.comm_bytes_per_step.median",
+             "summary.ds_mirrored.comm_bytes_per_step.median", fmt=".3f") }}  -> 0.021 (two figures of one file)
     {{ provenance("mirrored") }}  -> where mirrored.json was measured (commit, date, CPU, cores, torch, Lightning)
 
 The first argument names ``benchmarks/results/<name>.json``; the second is a dotted path into it (a list is indexed by
@@ -46,9 +48,11 @@ UNRECORDED = "unrecorded"
 # Fenced blocks and inline code are skipped; outside them, every {{ result(...) }} or {{ provenance(...) }}.
 _PATTERN = re.compile(
     r"(?P<code>^(?P<fence>`{3,}|~{3,})[^\n]*\n.*?^(?P=fence)|`[^`\n]*`)"
-    r"|\{\{\s*(?P<call>result|provenance)\s*\((?P<args>[^{}]*?)\)\s*\}\}",
+    r"|\{\{\s*(?P<call>result|ratio|provenance)\s*\((?P<args>[^{}]*?)\)\s*\}\}",
     re.MULTILINE | re.DOTALL,
 )
+#: ``scale=`` by name: bytes to these units, or a fraction to percent points
+SCALES = {"KiB": 2**-10, "MiB": 2**-20, "GiB": 2**-30, "kB": 1e-3, "MB": 1e-6, "GB": 1e-9, "percent": 100}
 PROVENANCE_FIELDS = ("commit", "date", "CPU", "cores", "torch", "Lightning")
 
 
@@ -146,9 +150,12 @@ class Results:
         return {k: str(v) if v else UNRECORDED for k, v in found.items()}
 
 
-def _number(value: Any, fmt: str, scale: float, where: str) -> str:
+def _number(value: Any, fmt: str | None, scale: float, where: str) -> str:
+    """The value scaled and formatted; without ``fmt``, three significant digits, trailing zeros kept (1.10)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ResultReferenceError(f"{where} is {value!r}, not a number; name a number, or leave fmt and scale out")
+    if fmt is None:
+        return format(value * scale, "#.3g").rstrip(".")
     return format(value * scale, fmt)
 
 
@@ -160,7 +167,11 @@ def _figure(results: Results, args: list[Any], kwargs: dict[str, Any]) -> tuple[
     if unknown:
         raise ResultReferenceError(f"result() has no option {sorted(unknown)}; its options: fmt, scale, spread")
     name, path = args
-    fmt, scale = kwargs.get("fmt", ".3g"), kwargs.get("scale", 1)
+    fmt, scale = kwargs.get("fmt"), kwargs.get("scale", 1)
+    if isinstance(scale, str):
+        if scale not in SCALES:
+            raise ResultReferenceError(f"scale={scale!r} is not a unit; give a number or one of {sorted(SCALES)}")
+        scale = SCALES[scale]
     value = results.lookup(name, path)
     where = f"{name}.json key '{path if isinstance(path, str) else '.'.join(map(str, path))}'"
     if isinstance(value, Mapping) and {"median", "min", "max"} <= set(value):
@@ -176,6 +187,20 @@ def _figure(results: Results, args: list[Any], kwargs: dict[str, Any]) -> tuple[
     if isinstance(value, str) and "fmt" not in kwargs and "scale" not in kwargs:
         return value, name
     return _number(value, fmt, scale, where), name
+
+
+def _ratio(results: Results, args: list[Any], kwargs: dict[str, Any]) -> tuple[str, str]:
+    """A ``ratio(file, numerator, denominator)`` reference's text: two numbers of one results file, divided."""
+    if len(args) != 3 or set(kwargs) - {"fmt"}:
+        raise ResultReferenceError("ratio() takes a results file, a numerator key and a denominator key, and fmt=")
+    name, num, den = args
+    values = [results.lookup(name, path) for path in (num, den)]
+    for path, value in zip((num, den), values, strict=True):
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ResultReferenceError(f"{name}.json key '{path}' is {value!r}, not a number")
+    if values[1] == 0:
+        raise ResultReferenceError(f"{name}.json key '{den}' is 0: no ratio")
+    return _number(values[0] / values[1], kwargs.get("fmt"), 1, f"{name}.json ratio"), name
 
 
 def _provenance_line(results: Results, name: str) -> str:
@@ -196,6 +221,8 @@ def render(markdown: str, results: Results) -> Rendered:
                 if len(args) != 1 or kwargs:
                     raise ResultReferenceError("provenance() takes one results file name")
                 text, name = f"({_provenance_line(results, args[0])})", str(args[0])
+            elif match["call"] == "ratio":
+                text, name = _ratio(results, args, kwargs)
             else:
                 text, name = _figure(results, args, kwargs)
         except ResultReferenceError as exc:

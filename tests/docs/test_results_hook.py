@@ -70,15 +70,26 @@ def test_a_value_renders_with_its_format_scale_and_spread(hook, results):
         'spread {{ result("measured", "summary.ds_mirrored.over_plain_ddp", fmt=".2f") }}, '
         'median only {{result("measured.json", "summary.ds_mirrored.over_plain_ddp", spread=False)}}, '
         'MB {{ result("measured", "summary.ds_mirrored.bytes", scale=1e-6, fmt=".2f") }}, '
+        'MiB {{ result("measured", "summary.ds_mirrored.bytes", scale="MiB", fmt=".2f") }}, '
         'percent {{ result("measured", ["summary", "ds_mirrored", "over_plain_ddp", "min"], fmt=".0%") }}, '
+        'default {{ result("measured", "summary.ds_mirrored.over_plain_ddp.max") }} '
+        '{{ result("measured", "summary.ds_mirrored.bytes") }}, '
         'index {{ result("measured", "summary.arms.1") }}, text {{ result("measured", "summary.ds_mirrored.label") }}'
     )
     out = hook.render(text, results)
     assert out.errors == []
     assert out.markdown == (
-        "ratio 1.113, spread 1.11 [0.85 - 1.13], median only 1.11, MB 4.51, percent 85%, index b, text none"
+        "ratio 1.113, spread 1.11 [0.85 - 1.13], median only 1.11, MB 4.51, MiB 4.30, percent 85%,"
+        " default 1.13 4.51e+06, index b, text none"
     )
     assert out.used == ["measured"]
+
+
+def test_a_ratio_of_two_figures_of_one_file(hook, results):
+    text = '{{ ratio("measured", "summary.ds_mirrored.over_plain_ddp.min", "summary.ds_mirrored.bytes", fmt=".2e") }}'
+    assert hook.render(text, results).markdown == f"{0.849 / 4505640:.2e}"
+    bad = hook.render('{{ ratio("measured", "summary.ds_mirrored.label", "summary.ds_mirrored.bytes") }}', results)
+    assert "key 'summary.ds_mirrored.label' is 'none', not a number" in bad.errors[0]
 
 
 def test_references_in_code_are_left_alone(hook, results):
@@ -98,6 +109,7 @@ def test_references_in_code_are_left_alone(hook, results):
         ('result("measured", "summary.ds_mirrored.label", fmt=".2f")', "is 'none', not a number"),
         ('result("measured", "summary.ds_mirrored.bytes", digits=2)', "no option \\['digits'\\]"),
         ('result("measured")', "takes a results file and a key"),
+        ('result("measured", "summary.ds_mirrored.bytes", scale="MiBs")', "scale='MiBs' is not a unit"),
         ("result(measured, x)", "give literals"),
     ],
 )
