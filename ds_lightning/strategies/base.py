@@ -8,8 +8,9 @@ interface, a user's own DDP comm hook on every backend, and destroying a gloo pr
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
@@ -27,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.data.eval_shards import exact_mean_input, uneven_batch_counts, unpadded_eval_loader
 from ds_lightning.data.resumable import DataCursor, position_loader
 from ds_lightning.environments._interfaces import pin_socket_interfaces
 from ds_lightning.environments.rendezvous import rendezvous_store
@@ -261,6 +263,7 @@ class ClusterStrategy(DDPStrategy):
         self._tf_config: TFConfig | None = None
         #: Set by :class:`~ds_lightning.callbacks.BackupAndRestore`: where a restored run's training data goes on.
         self.data_cursor: DataCursor | None = None
+        self._in_eval_step = False
 
     def _refuse_ddp_options(self, why: str) -> None:
         """For a subclass that does not wrap the model in torch's DDP: refuse the options that would be ignored.
@@ -340,13 +343,76 @@ class ClusterStrategy(DDPStrategy):
         """A subclass's own change to the training loader, made before it is positioned for a restore."""
         return dataloader
 
+    def _shape_eval_loader(self, dataloader: Any) -> Any:
+        """Validation and test shards without ``DistributedSampler``'s repeats: each sample is evaluated once."""
+        kwargs = self.distributed_sampler_kwargs
+        return unpadded_eval_loader(dataloader, kwargs["num_replicas"], kwargs["rank"], self.strategy_name)
+
     @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         training = self._fitting_now
-        if training:
-            dataloader = self._shape_train_loader(dataloader)
+        dataloader = self._shape_train_loader(dataloader) if training else self._shape_eval_loader(dataloader)
         return position_loader(self, dataloader, self.data_cursor, training)
+
+    # --- collectives inside an evaluation step --------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _eval_step(self) -> Iterator[None]:
+        """Mark a validation or test step, in which a collective must not meet ranks that have run out of batches."""
+        self._in_eval_step = True
+        try:
+            yield
+        finally:
+            self._in_eval_step = False
+
+    def _refuse_uneven_step_collective(self, what: str) -> None:
+        """Refuse ``what`` (a collective) inside an evaluation step when the ranks run different numbers of batches.
+
+        Decided on every rank from the shard sizes alone, so all ranks raise at the first such collective together
+        instead of the ranks with more batches waiting for one that has finished.
+
+        Raises:
+            RuntimeError: naming the batch counts and what to change.
+
+        """
+        trainer = self.lightning_module._trainer if self._in_eval_step and self.lightning_module is not None else None
+        if trainer is None:
+            return
+        loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
+        limit = trainer.limit_test_batches if trainer.testing else trainer.limit_val_batches
+        cap = trainer.num_sanity_val_steps if trainer.sanity_checking else limit if isinstance(limit, int) else None
+        if isinstance(loaders, dict):
+            loaders = list(loaders.values())
+        for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:
+            counts = uneven_batch_counts(loader, cap)
+            if counts is not None:
+                raise RuntimeError(
+                    f"{self.strategy_name} evaluates every sample once, so its ranks run {counts} batches; {what}"
+                    " inside a validation/test step would wait for a rank that has finished. Log with"
+                    " self.log(..., on_step=False, on_epoch=True, sync_dist=True) (reduced once at the epoch end, and"
+                    " exact), or sync_dist=False for per-step values, or sync in on_validation_epoch_end."
+                )
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._eval_step():
+            return super().validation_step(*args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self._eval_step():
+            return super().test_step(*args, **kwargs)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        self._refuse_uneven_step_collective("a reduce (e.g. self.log(..., on_step=True, sync_dist=True))")
+        return super().reduce(exact_mean_input(tensor, reduce_op), group=group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: torch.Tensor, group: Any | None = None, sync_grads: bool = False) -> torch.Tensor:
+        self._refuse_uneven_step_collective("self.all_gather")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     # --- process group --------------------------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ from ds_lightning import _validation as check
 from ds_lightning.comm.auto import AutoState
 from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
 from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
+from ds_lightning.data.eval_shards import uneven_batch_counts
 from ds_lightning.data.even_batches import even_batches
 from ds_lightning.sharding import (
     ShardingEngine,
@@ -93,8 +94,9 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             the memory of a second gradient buffer (do not ``detach_()`` gradients in place when it is on). On by
             default here, on purpose, although torch's ``DistributedDataParallel`` (and so ``DDPStrategy``) defaults
             to ``False``; pass ``gradient_as_bucket_view=False`` for torch's behaviour.
-        even_batches: give every rank the same number of batches (capping to the shortest rank) so uneven inputs cannot
-            hang gradient synchronisation.
+        even_batches: give every rank the same number of training batches (capping to the shortest rank) so uneven
+            inputs cannot hang gradient synchronisation. Validation and test shards are never capped: each sample is
+            evaluated exactly once (see docs/mirrored.md, "Uneven inputs").
         shard_optimizer_state: each rank keeps and steps 1/N of the optimizer state; checkpoints still hold the
             whole state, in the plain layout (see :mod:`ds_lightning.sharding`).
         sharding_engine: under ``shard_optimizer_state=True``: ``"zero"`` (ZeRO stage 1, torch's
@@ -299,13 +301,29 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         return self._train_loader_factory(dataloader) if self._train_loader_factory is not None else dataloader
 
     @override
+    def _shape_eval_loader(self, dataloader: Any) -> Any:
+        unpadded = super()._shape_eval_loader(dataloader)
+        counts = uneven_batch_counts(unpadded)
+        if counts is None or not self._fully_sharding:
+            return unpadded
+        # FSDP2 gathers the parameters in every forward, a collective per batch: the ranks must run as many batches.
+        rank_zero_warn(
+            f"ds_mirrored(sharding_engine='fsdp2'): unpadded evaluation shards would run {counts} batches per rank, and"
+            " a fully sharded forward is a collective; Lightning's padded shards are kept, so a few samples count"
+            " twice. Pick a batch size that gives every rank as many batches to evaluate each sample once."
+        )
+        return dataloader
+
+    @override
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
-        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if self._fitting_now and (self._train_loader_factory is not None or self.data_cursor is not None):
             return dataloader  # equal step counts by construction
-        # Prediction deliberately gives ranks uneven shards and runs no collectives per batch.
-        if not self.even_batches or (trainer is not None and trainer.state.fn == TrainerFn.PREDICTING):
+        # Evaluation and prediction deliberately give ranks uneven shards: a DDP forward without gradients runs no
+        # collective per batch (FSDP2's does, and keeps equal counts: see _shape_eval_loader).
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        predicting = trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
+        if not self.even_batches or predicting or (not self._fitting_now and not self._fully_sharding):
             return dataloader
         return even_batches(dataloader, self.root_device)
 

@@ -25,6 +25,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ds_lightning.data.eval_shards import exact_mean_input
 from ds_lightning.parameter_server.channel import connect_servers
 from ds_lightning.parameter_server.checkpoint import (
     consolidated_state,
@@ -355,6 +356,12 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         # The precision plugin still runs the closure, the callbacks and gradient clipping; only step() changes.
         pushing = PushingOptimizer(optimizer, lambda loss: step.push(loss, self._trainer()))
         return self.precision_plugin.optimizer_step(pushing, model, closure, **kwargs)  # type: ignore[arg-type]
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        # LiveWorkerCollectives.reduce comes first and does not call on: the base's eval-step check goes here.
+        self._refuse_uneven_step_collective("a reduce (e.g. self.log(..., on_step=True, sync_dist=True))")
+        return super().reduce(exact_mean_input(tensor, reduce_op), group=group, reduce_op=reduce_op)
 
     def _ask_who_is_gone(self) -> list[int] | None:
         if self._client is None or self._finished:

@@ -363,11 +363,13 @@ class PipelineStrategy(ClusterStrategy):
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.lightning_module.validation_step(*args, **kwargs)  # type: ignore[union-attr]
+        with self._eval_step():
+            return self.lightning_module.validation_step(*args, **kwargs)  # type: ignore[union-attr]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.lightning_module.test_step(*args, **kwargs)  # type: ignore[union-attr]
+        with self._eval_step():
+            return self.lightning_module.test_step(*args, **kwargs)  # type: ignore[union-attr]
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
