@@ -32,6 +32,7 @@ from ds_lightning.environments._interfaces import pin_socket_interfaces
 from ds_lightning.environments.rendezvous import rendezvous_store
 from ds_lightning.environments.tf_config import TFConfig, TFConfigEnvironment, TFConfigError
 from ds_lightning.environments.torchelastic import elastic_num_nodes, pin_elastic_interfaces
+from ds_lightning.strategies.capabilities import LIGHTNING_DEFAULTS, StrategyCapabilities
 
 __all__ = ["BACKENDS", "ClusterStrategy", "StartMethod"]
 
@@ -217,6 +218,9 @@ class ClusterStrategy(DDPStrategy):
 
     #: Whether ``TF_CONFIG`` ``ps`` tasks belong to this strategy (the parameter server sets it).
     serves_parameters: ClassVar[bool] = False
+    #: What callbacks may ask of this strategy (see :mod:`ds_lightning.strategies.capabilities`); a subclass
+    #: overrides only what differs from Lightning's own strategies.
+    capabilities: ClassVar[StrategyCapabilities] = LIGHTNING_DEFAULTS
 
     def __init__(
         self,

@@ -39,6 +39,7 @@ from ds_lightning.sharding import (
 from ds_lightning.strategies._fsdp2 import FullyShardedSteps
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
+from ds_lightning.strategies.capabilities import StrategyCapabilities
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
     """
 
     strategy_name = "ds_mirrored"
+    capabilities = StrategyCapabilities(weights_rank_gradients=True)  # balance_batches, gradient_weight
 
     def __init__(
         self,

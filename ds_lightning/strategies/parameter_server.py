@@ -45,6 +45,7 @@ from ds_lightning.parameter_server.serving import serve_shard
 from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
+from ds_lightning.strategies.capabilities import StrategyCapabilities
 
 
 class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
@@ -96,6 +97,9 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
 
     strategy_name = "ds_parameter_server"
     serves_parameters = True
+    capabilities = StrategyCapabilities(
+        agrees_over_default_group=False, saves_from_chief_alone=True, steps_optimizer_on_servers=True
+    )
 
     def __init__(
         self,
