@@ -25,6 +25,12 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ds_lightning.environments.parameter_server_roles import (
+    TorchrunPart,
+    server_environment,
+    tf_config_servers,
+    torchrun_part,
+)
 from ds_lightning.parameter_server.channel import connect_servers
 from ds_lightning.parameter_server.checkpoint import (
     consolidated_state,
@@ -35,12 +41,10 @@ from ds_lightning.parameter_server.checkpoint import (
 )
 from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.collectives import LiveWorkerCollectives
-from ds_lightning.parameter_server.elastic import TorchrunPart, torchrun_part
 from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher
 from ds_lightning.parameter_server.optimizer_shard import check_server_optimizer, check_trainable_model
 from ds_lightning.parameter_server.options import StalenessLR, check_no_validation_under_budget, check_options
 from ds_lightning.parameter_server.push_compression import PushCompressionName
-from ds_lightning.parameter_server.roles import server_environment, tf_config_servers
 from ds_lightning.parameter_server.serving import serve_shard
 from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
@@ -56,7 +60,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
     optimizer from ``configure_optimizers`` (and its LR schedulers) on it. Workers pull parameters, run the user's
     ``training_step`` and backward, and push gradients. Under ``TF_CONFIG``, ``ps`` tasks serve and ``chief``/``worker``
     tasks train; every task runs the same command. Under torchrun, its last ``num_servers`` ranks serve and the others
-    train (see :mod:`ds_lightning.parameter_server.elastic`).
+    train (see :mod:`ds_lightning.environments.parameter_server_roles`).
 
     The arguments ``DDPStrategy`` takes come first, in its positions (see
     :class:`~ds_lightning.strategies.ClusterStrategy`); the ones about torch's DDP wrapper are refused, since workers
