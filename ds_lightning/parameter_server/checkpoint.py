@@ -14,8 +14,8 @@ from torch.optim import Optimizer
 
 from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.optimizer_shard import consolidate_state, split_full_state
-from ds_lightning.parameter_server.server import jsonable
-from ds_lightning.parameter_server.sharding import ShardPlan
+from ds_lightning.parameter_server.server_loop import jsonable
+from ds_lightning.parameter_server.sharding import ParameterShardPlan
 
 CHECKPOINT_KEY = "ds_parameter_server"
 
@@ -39,7 +39,7 @@ def resume_state(checkpoint: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def initial_server_states(
-    plan: ShardPlan, num_servers: int, resume: Mapping[str, Any], index: dict[str, int], epoch: int
+    plan: ParameterShardPlan, num_servers: int, resume: Mapping[str, Any], index: dict[str, int], epoch: int
 ) -> tuple[list[Any], dict[str, Any]]:
     """Each server's piece of a resumed optimizer state, and the header every server starts from."""
     full_state = resume.get("optimizer_state")
@@ -60,7 +60,7 @@ def initial_server_states(
 
 def consolidated_state(
     client: ServerClient,
-    plan: ShardPlan,
+    plan: ParameterShardPlan,
     params: Mapping[str, Tensor],
     optimizer: Optimizer,
     index: dict[str, int],

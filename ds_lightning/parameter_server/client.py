@@ -1,4 +1,4 @@
-"""A worker's side of the parameter-server protocol (see :mod:`ds_lightning.parameter_server.server`)."""
+"""A worker's side of the parameter-server protocol (see :mod:`ds_lightning.parameter_server.server_loop`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import torch
 from torch import Tensor
 
 from ds_lightning.parameter_server.push_compression import PushCompressor
-from ds_lightning.parameter_server.server import REPLY_TAG, REQUEST_TAG
-from ds_lightning.parameter_server.sharding import ShardPlan
-from ds_lightning.parameter_server.wire import Pending, channel_capacity, post_message, recv_message, send_message
+from ds_lightning.parameter_server.server_loop import REPLY_TAG, REQUEST_TAG
+from ds_lightning.parameter_server.sharding import ParameterShardPlan
+from ds_lightning.parameter_server.tensor_messages import (
+    Pending,
+    channel_capacity,
+    post_message,
+    recv_message,
+    send_message,
+)
 
 
 class ServerLostError(RuntimeError):
@@ -54,7 +60,7 @@ class ServerClient:
         pg: Any,
         worker: int,
         num_workers: int,
-        plan: ShardPlan,
+        plan: ParameterShardPlan,
         compression: str = "none",
         topk_ratio: float = 0.01,
         addresses: list[str] | None = None,

@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from torch import Tensor, nn
 
-from ds_lightning.parameter_server.sharding import ShardPlan
+from ds_lightning.parameter_server.sharding import ParameterShardPlan
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -125,7 +125,11 @@ class ShardOptimizer:
     """
 
     def __init__(
-        self, template: torch.optim.Optimizer, named_parameters: Mapping[str, Tensor], plan: ShardPlan, server: int
+        self,
+        template: torch.optim.Optimizer,
+        named_parameters: Mapping[str, Tensor],
+        plan: ParameterShardPlan,
+        server: int,
     ) -> None:
         self.template = template
         self.plan = plan
@@ -186,7 +190,7 @@ class ShardOptimizer:
 
 
 def consolidate_state(
-    plan: ShardPlan,
+    plan: ParameterShardPlan,
     shards: Sequence[tuple[Sequence[Sequence[Any]], Sequence[Tensor]]],
     shapes: Mapping[str, torch.Size],
     index_of: Mapping[str, int],
@@ -223,7 +227,7 @@ def consolidate_state(
 
 
 def split_full_state(
-    plan: ShardPlan, server: int, full_state: Mapping[str, Any], index_of: Mapping[str, int]
+    plan: ParameterShardPlan, server: int, full_state: Mapping[str, Any], index_of: Mapping[str, int]
 ) -> tuple[list[list[Any]], list[Tensor]]:
     """The part of a single-device optimizer state that belongs to ``server``, for ``ShardOptimizer.import_state``."""
     state = full_state.get("state", {})

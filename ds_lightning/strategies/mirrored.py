@@ -36,7 +36,7 @@ from ds_lightning.sharding import (
     load_sharded_states,
     shard_optimizers,
 )
-from ds_lightning.strategies._fsdp2 import FullyShardedSteps
+from ds_lightning.strategies._fsdp2_mixin import FullyShardedSteps
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 from ds_lightning.strategies.capabilities import StrategyCapabilities

@@ -45,8 +45,8 @@ from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, Wor
 from ds_lightning.parameter_server.optimizer_shard import check_server_optimizer, check_trainable_model
 from ds_lightning.parameter_server.options import StalenessLR, check_no_validation_under_budget, check_options
 from ds_lightning.parameter_server.push_compression import PushCompressionName
-from ds_lightning.parameter_server.serving import serve_shard
-from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
+from ds_lightning.parameter_server.server_process import serve_shard
+from ds_lightning.parameter_server.sharding import ParameterShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 from ds_lightning.strategies.capabilities import StrategyCapabilities
@@ -166,7 +166,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         self.fitting = False  # whether this Trainer call is fit; the launcher sets it
         self._training = False
         self._pg: Any = None
-        self._plan: ShardPlan | None = None
+        self._plan: ParameterShardPlan | None = None
         self._client: ServerClient | None = None
         self._step: WorkerStep | None = None
         self._params: dict[str, Tensor] = {}
@@ -270,7 +270,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         assert self.lightning_module is not None
         return {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
 
-    def _make_plan(self) -> ShardPlan:
+    def _make_plan(self) -> ParameterShardPlan:
         return plan_shards(self._trainable(), self.num_servers, min_shard_bytes=self.min_shard_bytes)
 
     @override

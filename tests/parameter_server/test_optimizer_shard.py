@@ -17,7 +17,7 @@ from ds_lightning.parameter_server.optimizer_shard import (
     consolidate_state,
     split_full_state,
 )
-from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
+from ds_lightning.parameter_server.sharding import ParameterShardPlan, plan_shards
 
 MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -31,7 +31,7 @@ def _params(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _plan(model: nn.Module, num_servers: int) -> ShardPlan:
+def _plan(model: nn.Module, num_servers: int) -> ParameterShardPlan:
     plan = plan_shards(_params(model), num_servers=num_servers, min_shard_bytes=64)
     servers_of: dict[str, set[int]] = {}
     for piece in plan.slices:
@@ -210,7 +210,7 @@ def test_every_elementwise_optimizer_is_rebuilt_exactly_on_the_shards(cls):
 # learning rate ------------------------------------------------------------------------------------------------------
 
 
-def _plain_sgd_shards(lr: float = 0.1) -> tuple[ShardPlan, torch.optim.Optimizer, list[ShardOptimizer]]:
+def _plain_sgd_shards(lr: float = 0.1) -> tuple[ParameterShardPlan, torch.optim.Optimizer, list[ShardOptimizer]]:
     model = _model()
     plan = _plan(model, 2)
     template = torch.optim.SGD(model.parameters(), lr=lr)

@@ -56,12 +56,15 @@ def test_each_capability_per_strategy(name):
 
 
 def test_the_defaults_are_lightnings_behaviour():
-    assert LIGHTNING_DEFAULTS == StrategyCapabilities(
-        precision_plugin_wraps_forward=True,
-        agrees_over_default_group=True,
-        saves_from_chief_alone=False,
-        steps_optimizer_on_servers=False,
-        weights_rank_gradients=False,
+    assert (
+        StrategyCapabilities(
+            precision_plugin_wraps_forward=True,
+            agrees_over_default_group=True,
+            saves_from_chief_alone=False,
+            steps_optimizer_on_servers=False,
+            weights_rank_gradients=False,
+        )
+        == LIGHTNING_DEFAULTS
     )
 
 

@@ -34,7 +34,7 @@ from torch import Tensor
 from ds_lightning.parameter_server.optimizer_shard import ShardOptimizer
 from ds_lightning.parameter_server.push_compression import PushCompressor
 from ds_lightning.parameter_server.staleness import StalenessClock, StalenessStats, SyncAccumulator, staleness_lr_factor
-from ds_lightning.parameter_server.wire import Pending, channel_capacity, post_message, recv_message
+from ds_lightning.parameter_server.tensor_messages import Pending, channel_capacity, post_message, recv_message
 
 log = logging.getLogger(__name__)
 
