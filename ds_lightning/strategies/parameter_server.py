@@ -33,11 +33,11 @@ from ds_lightning.environments.parameter_server_roles import (
 )
 from ds_lightning.parameter_server.channel import connect_servers
 from ds_lightning.parameter_server.checkpoint import (
-    consolidated_state,
-    index_of,
-    initial_server_states,
-    resume_state,
-    write_checkpoint,
+    ConsolidatedRun,
+    ResumePoint,
+    ShardState,
+    consolidate,
+    starting_shards,
 )
 from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.collectives import LiveWorkerCollectives
@@ -48,6 +48,7 @@ from ds_lightning.parameter_server.push_compression import PushCompressionName
 from ds_lightning.parameter_server.server_process import serve_shard
 from ds_lightning.parameter_server.sharding import ParameterShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
+from ds_lightning.sharding.optimizer_layout import index_by_name
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 from ds_lightning.strategies.capabilities import StrategyCapabilities
 
@@ -171,8 +172,8 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         self._step: WorkerStep | None = None
         self._params: dict[str, Tensor] = {}
         self._finished = False
-        self._resume: dict[str, Any] | None = None
-        self._final_state: dict[str, Any] | None = None
+        self._resume: ResumePoint | None = None
+        self._final_state: ConsolidatedRun | None = None
         self._reset_survivors()
 
     @classmethod
@@ -378,10 +379,8 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         if self._client is None or not self.is_global_zero:
             return
         assert self._plan is not None
-        shard_states, extra = initial_server_states(
-            self._plan, self.num_servers, self._resume or {}, self._index_of(), self._trainer().current_epoch
-        )
-        self._client.init(self._params, shard_states, extra)
+        resume, epoch = self._resume or ResumePoint(), self._trainer().current_epoch
+        self._client.init(starting_shards(self._plan, self._params, resume, self._index_of(), epoch))
         self._resume = None
 
     @override
@@ -430,25 +429,23 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
 
     def _index_of(self) -> dict[str, int]:
         assert self.lightning_module is not None
-        return index_of(self.lightning_module, self.optimizers[0])
+        return index_by_name(self.lightning_module, self.optimizers[0])
 
-    def _consolidated_state(self, replies: list[tuple[dict[str, Any], list[Tensor]]] | None = None) -> dict[str, Any]:
+    def _consolidated_state(self, shards: list[ShardState] | None = None) -> ConsolidatedRun:
         assert self._client is not None and self._plan is not None
-        progress = {"num_servers": self.num_servers, "num_workers": self.num_workers}
-        progress["max_staleness"] = self.max_staleness
-        return consolidated_state(
-            self._client, self._plan, self._params, self.optimizers[0], self._index_of(), progress, replies
-        )
+        run = {"num_servers": self.num_servers, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
+        shards = shards if shards is not None else self._client.state()
+        return consolidate(shards, self._plan, self._params, self.optimizers[0], self._index_of(), run)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if self.is_global_zero and (self._client is not None or self._final_state is not None):
             state = self._final_state if self._finished else self._consolidated_state()
             if state is not None:
-                write_checkpoint(checkpoint, state, self._params, self._finished)
+                state.write_into(checkpoint, final_params=self._params if self._finished else None)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         # The servers hold the optimizer; the chief hands them this state when training starts.
-        self._resume = resume_state(checkpoint)
+        self._resume = ResumePoint.from_checkpoint(checkpoint)

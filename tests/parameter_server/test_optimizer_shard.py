@@ -10,14 +10,10 @@ import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from ds_lightning.parameter_server.optimizer_shard import (
-    ELEMENTWISE_OPTIMIZERS,
-    ShardOptimizer,
-    check_server_optimizer,
-    consolidate_state,
-    split_full_state,
-)
+from ds_lightning.parameter_server.checkpoint import consolidate_state, split_full_state
+from ds_lightning.parameter_server.optimizer_shard import ELEMENTWISE_OPTIMIZERS, ShardOptimizer, check_server_optimizer
 from ds_lightning.parameter_server.sharding import ParameterShardPlan, plan_shards
+from ds_lightning.sharding.optimizer_layout import index_by_name
 
 MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -62,9 +58,7 @@ class _Pair:
         self.reference = make(self.model)
         self.plan = _plan(self.model, num_servers)
         self.shards = self.build_shards(_params(self.model))
-        order = [p for group in self.reference.param_groups for p in group["params"]]
-        name_of = {id(p): name for name, p in _params(self.model).items()}
-        self.index_of = {name_of[id(p)]: index for index, p in enumerate(order)}
+        self.index_of = index_by_name(self.model, self.reference)
         self.shapes = {name: p.shape for name, p in _params(self.model).items()}
         self.generator = torch.Generator().manual_seed(1234)
 
