@@ -22,7 +22,7 @@ from ds_lightning.backup.store import BackupStore
 from ds_lightning.backup.writer import BackupWriter
 from ds_lightning.callbacks._batch_geometry import data_parallel_size, samples_per_micro_step
 from ds_lightning.data.resumable import DataCursor
-from ds_lightning.strategies import ParameterServerStrategy
+from ds_lightning.strategies.capabilities import capabilities_of
 
 __all__ = ["BackupAndRestore"]
 
@@ -256,7 +256,7 @@ class BackupAndRestore(Callback):
     def save(self, trainer: pl.Trainer) -> None:
         """Take a backup now (on every process at the same step, or on the chief alone under the parameter server)."""
         strategy = trainer.strategy
-        if isinstance(strategy, ParameterServerStrategy) and not trainer.is_global_zero:
+        if capabilities_of(strategy).saves_from_chief_alone and not trainer.is_global_zero:
             return  # the chief's backup holds the servers' state; the workers' own state is their data position
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         previous = strategy.checkpoint_io
@@ -307,7 +307,7 @@ class BackupAndRestore(Callback):
 
 def _gather(trainer: pl.Trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
     """Every rank's ``mine`` (only the chief's under the parameter server, whose workers save nothing)."""
-    if isinstance(trainer.strategy, ParameterServerStrategy) or not dist.is_initialized() or trainer.world_size == 1:
+    if not _collective(trainer):
         return [mine]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
@@ -317,4 +317,4 @@ def _gather(trainer: pl.Trainer, mine: dict[str, Any]) -> list[dict[str, Any]]:
 def _collective(trainer: pl.Trainer) -> bool:
     """Whether the ranks agree on flags (not under the parameter server, whose workers act on their own)."""
     strategy = trainer.strategy
-    return not isinstance(strategy, ParameterServerStrategy) and dist.is_initialized() and trainer.world_size > 1
+    return capabilities_of(strategy).agrees_over_default_group and dist.is_initialized() and trainer.world_size > 1

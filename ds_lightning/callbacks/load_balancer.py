@@ -17,7 +17,7 @@ from ds_lightning import _validation as check
 from ds_lightning.data.resumable import rebuild_loader
 from ds_lightning.data.share_plan import SharePlan, split_sizes
 from ds_lightning.data.share_sampler import ShareBatchSampler
-from ds_lightning.strategies.mirrored import MirroredStrategy
+from ds_lightning.strategies.capabilities import capabilities_of
 
 __all__ = ["DynamicLoadBalancer"]
 
@@ -115,7 +115,7 @@ class DynamicLoadBalancer(Callback):
         if why is None and world < 2:
             rank_zero_warn("DynamicLoadBalancer has one data-parallel process to balance; it does nothing.")
             return
-        if why is not None or not isinstance(strategy, MirroredStrategy):
+        if why is not None or not capabilities_of(strategy).weights_rank_gradients:
             why = why or "it resizes batches through ds_mirrored's data loading and gradient hook"
             raise MisconfigurationException(
                 f"DynamicLoadBalancer cannot run under {name}: {why}. Use strategy='ds_mirrored', or remove the"

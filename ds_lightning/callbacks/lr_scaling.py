@@ -14,7 +14,7 @@ from typing_extensions import override
 from ds_lightning import _validation as check
 from ds_lightning.callbacks._batch_geometry import samples_per_micro_step
 from ds_lightning.callbacks.gradient_accumulation import GradientAccumulation
-from ds_lightning.strategies.parameter_server import ParameterServerStrategy
+from ds_lightning.strategies.capabilities import capabilities_of
 
 __all__ = ["LRScaling"]
 
@@ -113,7 +113,7 @@ class LRScaling(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self.applied_factor = 1.0  # fit() builds fresh optimizers; a resumed run's factor comes from load_state_dict
-        if stage == "fit" and isinstance(trainer.strategy, ParameterServerStrategy):
+        if stage == "fit" and capabilities_of(trainer.strategy).steps_optimizer_on_servers:
             raise MisconfigurationException(
                 "LRScaling cannot run under ds_parameter_server: the servers own the learning rate, and an update"
                 " there applies one worker's gradient, not a batch grown with the number of workers. Set the"

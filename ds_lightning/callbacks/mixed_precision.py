@@ -16,7 +16,7 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.callbacks._amp_plugin import MixedPrecision as _AmpPlugin
-from ds_lightning.strategies.pipeline import PipelineStrategy
+from ds_lightning.strategies.capabilities import capabilities_of
 
 __all__ = ["MixedPrecision", "choose_auto_precision"]
 
@@ -147,7 +147,7 @@ class MixedPrecision(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        if isinstance(strategy, PipelineStrategy):
+        if not capabilities_of(strategy).precision_plugin_wraps_forward:
             raise MisconfigurationException(
                 "MixedPrecision cannot run under ds_pipeline, which runs its stages in 32-bit for now; remove the"
                 " callback, or use ds_mirrored or ds_model_parallel for mixed precision."

@@ -21,7 +21,10 @@ from ds_lightning.environments._interfaces import is_loopback, pin_socket_interf
 
 log = logging.getLogger(__name__)
 
-__all__ = ["elastic_num_nodes", "pin_elastic_interfaces", "route_source_address"]
+__all__ = ["elastic_num_nodes", "pin_elastic_interfaces", "route_source_address", "store_round"]
+
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 
 
 def elastic_num_nodes(env: ClusterEnvironment | None, num_processes: int) -> int | None:
@@ -91,3 +94,16 @@ def pin_elastic_interfaces(env: ClusterEnvironment | None) -> str | None:
         )
         return None
     return pin_socket_interfaces(address)
+
+
+def store_round() -> int:
+    """Which group the store at ``MASTER_ADDR:MASTER_PORT`` serves now: 0, or torchrun's restarts when it is shared.
+
+    Under torchrun's default the workers share the agent's store, which outlives a restart and keeps the old group's
+    keys; the agents restart together, so their restart count tells the rounds apart. Otherwise (no torchrun, or
+    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: rank 0 hosts it) each group's store is new, and an agent started again
+    (a host back) counts its restarts from 0, so the count must not be used.
+    """
+    if os.environ.get(AGENT_STORE_ENV) != "True":
+        return 0
+    return int(os.environ.get(RESTART_ENV, "0"))

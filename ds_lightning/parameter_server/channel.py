@@ -15,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ds_lightning.environments.tf_config import TFConfig
-from ds_lightning.parameter_server.elastic import store_round
+from ds_lightning.environments.torchelastic import store_round
 
 _GENERATION = [0]  # fits with this strategy so far in this process; every process of a run counts alike
 

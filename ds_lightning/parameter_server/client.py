@@ -1,4 +1,4 @@
-"""A worker's side of the parameter-server protocol (see :mod:`ds_lightning.parameter_server.server`)."""
+"""A worker's side of the parameter-server protocol (see :mod:`ds_lightning.parameter_server.server_loop`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ds_lightning.parameter_server.checkpoint import ShardState
 from ds_lightning.parameter_server.push_compression import PushCompressor
-from ds_lightning.parameter_server.server import REPLY_TAG, REQUEST_TAG
-from ds_lightning.parameter_server.sharding import ShardPlan
-from ds_lightning.parameter_server.wire import Pending, channel_capacity, post_message, recv_message, send_message
+from ds_lightning.parameter_server.server_loop import REPLY_TAG, REQUEST_TAG
+from ds_lightning.parameter_server.sharding import ParameterShardPlan
+from ds_lightning.parameter_server.tensor_messages import (
+    Pending,
+    channel_capacity,
+    post_message,
+    recv_message,
+    send_message,
+)
 
 
 class ServerLostError(RuntimeError):
@@ -54,7 +61,7 @@ class ServerClient:
         pg: Any,
         worker: int,
         num_workers: int,
-        plan: ShardPlan,
+        plan: ParameterShardPlan,
         compression: str = "none",
         topk_ratio: float = 0.01,
         addresses: list[str] | None = None,
@@ -124,15 +131,11 @@ class ServerClient:
 
     # --- requests -------------------------------------------------------------------------------------------------
 
-    def init(
-        self, params: Mapping[str, Tensor], shard_states: list[tuple[list[Any], list[Tensor]]], extra: dict[str, Any]
-    ) -> None:
-        """Hand every server its starting parameters and optimizer state (chief only)."""
-        for server in range(self.plan.num_servers):
-            entries, state = shard_states[server]
-            header = {"op": "init", "state_entries": entries, "n_state": len(state), **extra}
-            flat = self.plan.flatten(params, server).float().cpu()
-            self._send(server, header, [flat, *state], "starting the servers")
+    def init(self, starts: list[ShardState]) -> None:
+        """Hand every server its starting shard: parameters, optimizer state and progress (chief only)."""
+        for server, start in enumerate(starts):
+            header, tensors = start.to_message()
+            self._send(server, {"op": "init", **header}, tensors, "starting the servers")
 
     def pull(self, params: Mapping[str, Tensor], op: str = "pull", step: int = 0, epoch: int = 0) -> PullResult:
         """Fetch every shard into ``params`` (``op`` ``"pull"`` waits for the staleness rule, ``"peek"`` does not)."""
@@ -194,13 +197,14 @@ class ServerClient:
         header, _, _ = self._recv(0, doing)
         return list(header["gone"])
 
-    def state(self) -> list[tuple[dict[str, Any], list[Tensor]]]:
+    def state(self) -> list[ShardState]:
         """Every server's shard, optimizer state, scheduler state and progress (chief only)."""
-        return [(header, tensors) for header, tensors, _ in self._ask_all({"op": "state"}, "saving a checkpoint")]
+        replies = self._ask_all({"op": "state"}, "saving a checkpoint")
+        return [ShardState.from_message(header, tensors) for header, tensors, _ in replies]
 
     def done(
         self, params: Mapping[str, Tensor], step: int, epoch: int, with_state: bool = False
-    ) -> tuple[PullResult, list[tuple[dict[str, Any], list[Tensor]]]]:
+    ) -> tuple[PullResult, list[ShardState]]:
         """Tell every server this worker finished; once every worker has, fetch the final parameters into ``params``.
 
         Args:
@@ -216,4 +220,5 @@ class ServerClient:
         header = {"op": "done", "step": step, "epoch": epoch, "with_state": with_state}
         replies = self._ask_all(header, "finishing (the servers answer once every worker has finished)")
         result = self._read_params(replies, params)
-        return result, [(header, tensors) for header, tensors, _ in replies] if with_state else []
+        states = [ShardState.from_message(header, tensors) for header, tensors, _ in replies] if with_state else []
+        return result, states

@@ -7,8 +7,8 @@ the same class over the server's pieces of the parameters (row blocks, see
 That is exact for optimizers whose update is elementwise, which :data:`ELEMENTWISE_OPTIMIZERS` lists; the rest are
 refused by :func:`check_server_optimizer`.
 
-Optimizer state leaves a server as tensors with a JSON description (never pickled) and is consolidated into the
-single-device ``optimizer.state_dict()`` format, so a plain ``Trainer`` resumes from the checkpoint.
+Optimizer state leaves a server as tensors with a JSON description (never pickled); it is consolidated into the
+single-device ``optimizer.state_dict()`` format, and split again, in :mod:`ds_lightning.parameter_server.checkpoint`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from lightning.pytorch.core.optimizer import _configure_optimizers, _configure_schedulers_automatic_opt
 from torch import Tensor, nn
 
-from ds_lightning.parameter_server.sharding import ShardPlan
+from ds_lightning.parameter_server.sharding import ParameterShardPlan
 
 ELEMENTWISE_OPTIMIZERS: tuple[type[torch.optim.Optimizer], ...] = (
     torch.optim.SGD,
@@ -125,7 +125,11 @@ class ShardOptimizer:
     """
 
     def __init__(
-        self, template: torch.optim.Optimizer, named_parameters: Mapping[str, Tensor], plan: ShardPlan, server: int
+        self,
+        template: torch.optim.Optimizer,
+        named_parameters: Mapping[str, Tensor],
+        plan: ParameterShardPlan,
+        server: int,
     ) -> None:
         self.template = template
         self.plan = plan
@@ -183,58 +187,3 @@ class ShardOptimizer:
             param = self.params[int(index)]
             is_piece = value.numel() == param.numel() and value.dim() > 0
             self.optimizer.state[param][str(key)] = value.view(param.shape).clone() if is_piece else value.clone()
-
-
-def consolidate_state(
-    plan: ShardPlan,
-    shards: Sequence[tuple[Sequence[Sequence[Any]], Sequence[Tensor]]],
-    shapes: Mapping[str, torch.Size],
-    index_of: Mapping[str, int],
-    param_groups: list[dict[str, Any]],
-) -> dict[str, Any]:
-    """Merge every server's exported state into one single-device ``optimizer.state_dict()``.
-
-    Args:
-        plan: the shard plan.
-        shards: ``export_state()`` of server 0, 1, ...
-        shapes: full shape of each parameter by name.
-        index_of: the parameter's index in the single-device state dict, by name.
-        param_groups: the ``param_groups`` entry to write (hyperparameters and indices).
-
-    """
-    pieces: dict[str, dict[str, list[tuple[int, Tensor]]]] = {}
-    for server, (entries, tensors) in enumerate(shards):
-        slices = plan.server_slices(server)
-        for (index, key), value in zip(entries, tensors, strict=True):
-            piece = slices[int(index)]
-            pieces.setdefault(piece.name, {}).setdefault(str(key), []).append((piece.rows[0], value))
-    state: dict[int, dict[str, Tensor]] = {}
-    for name, keys in pieces.items():
-        full: dict[str, Tensor] = {}
-        for key, parts in keys.items():
-            parts.sort(key=lambda part: part[0])
-            first = parts[0][1]
-            if first.dim() == 0 or (len(parts) == 1 and first.numel() != shapes[name].numel()):
-                full[key] = first  # per-parameter scalar such as Adam's step; equal on every piece
-            else:
-                full[key] = torch.cat([part.reshape(-1) for _, part in parts]).view(shapes[name])
-        state[index_of[name]] = full
-    return {"state": state, "param_groups": param_groups}
-
-
-def split_full_state(
-    plan: ShardPlan, server: int, full_state: Mapping[str, Any], index_of: Mapping[str, int]
-) -> tuple[list[list[Any]], list[Tensor]]:
-    """The part of a single-device optimizer state that belongs to ``server``, for ``ShardOptimizer.import_state``."""
-    state = full_state.get("state", {})
-    entries: list[list[Any]] = []
-    tensors: list[Tensor] = []
-    for index, piece in enumerate(plan.server_slices(server)):
-        for key, value in sorted(state.get(index_of[piece.name], {}).items()):
-            value = torch.as_tensor(value)
-            is_rows = bool(piece.shape) and value.dim() == len(piece.shape) and value.shape[1:] == piece.shape[1:]
-            if is_rows and value.shape[0] >= piece.rows[1]:
-                value = value[piece.rows[0] : piece.rows[1]]
-            tensors.append(value.detach().clone().contiguous())
-            entries.append([index, key])
-    return entries, tensors

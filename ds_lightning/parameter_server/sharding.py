@@ -1,19 +1,20 @@
 """Partition a model's parameters across parameter servers, balanced by size, with a deterministic flat layout.
 
-Every process computes the same :class:`ShardPlan` from the same parameter names, shapes and dtypes, so no plan
-needs to travel between processes; :meth:`ShardPlan.fingerprint` (one int64) or :meth:`ShardPlan.to_tensor` lets
-them check that with a tensor collective, without pickling.
+Every process computes the same :class:`ParameterShardPlan` from the same parameter names, shapes and dtypes, so no
+plan needs to travel between processes; :meth:`ParameterShardPlan.fingerprint` (one int64) or
+:meth:`ParameterShardPlan.to_tensor` lets them check that with a tensor collective, without pickling.
 
 Splitting follows TensorFlow's ``MinSizePartitioner``: a tensor of at least ``2 * min_shard_bytes`` with more than
 one row is cut along dim 0 into as many nearly equal row blocks as possible while every block keeps at least
 ``min_shard_bytes`` and there are no more blocks than servers (or ``max_shards_per_tensor``). The pieces are then
 placed largest first, each tensor's blocks at once on distinct servers, on the least-loaded servers (list
 scheduling, Graham's LPT). Within a server the pieces are laid out in parameter order, then row order; that layout
-is the server's flat buffer, built by :meth:`ShardPlan.flatten` and read back by :meth:`ShardPlan.unflatten_into`.
+is the server's flat buffer, built by :meth:`ParameterShardPlan.flatten` and read back by
+:meth:`ParameterShardPlan.unflatten_into`.
 
 Balance guarantee, in elements (one flat buffer has one dtype, so bytes on the wire are elements times the wire
-dtype's size; see :meth:`ShardPlan.bytes_per_server`). With ``m`` servers, ``W`` elements in all and ``P`` elements
-in the largest piece:
+dtype's size; see :meth:`ParameterShardPlan.bytes_per_server`). With ``m`` servers, ``W`` elements in all and ``P``
+elements in the largest piece:
 
 * ``max_load - min_load <= P`` after every placement, hence ``max_load <= W / m + (1 - 1 / m) * P``. Since no
   placement can beat ``max(W / m, P)``, that is at most ``2 - 1 / m`` times the optimum.
@@ -34,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-__all__ = ["ShardPlan", "ShardSlice", "plan_shards"]
+__all__ = ["ParameterShardPlan", "ShardSlice", "plan_shards"]
 
 _MAGIC = 0x5053_504C_414E  # b"PSPLAN"
 _VERSION = 1
@@ -63,7 +64,7 @@ class ShardSlice:
 
 
 @dataclass(frozen=True)
-class ShardPlan:
+class ParameterShardPlan:
     """Which rows of which parameter live on which server, and where in that server's flat buffer.
 
     ``slices`` are in parameter order, then row order; a server's slices, in that order, make up its flat buffer
@@ -195,7 +196,7 @@ class ShardPlan:
         return torch.tensor(self._encode(), dtype=torch.int64)
 
     @classmethod
-    def from_tensor(cls, tensor: Tensor) -> ShardPlan:
+    def from_tensor(cls, tensor: Tensor) -> ParameterShardPlan:
         """Decode a plan made by :meth:`to_tensor`.
 
         Raises:
@@ -205,13 +206,13 @@ class ShardPlan:
         if tensor.dtype != torch.int64 or tensor.dim() != 1:
             raise ValueError(
                 f"A plan encoding is a 1-D int64 tensor, got dtype {tensor.dtype} and shape {tuple(tensor.shape)}; "
-                f"pass what ShardPlan.to_tensor() returned."
+                f"pass what ParameterShardPlan.to_tensor() returned."
             )
         values = tensor.detach().cpu().tolist()
         if values[:2] != [_MAGIC, _VERSION] or len(values) < 4:
             raise ValueError(
-                f"This tensor is not a ShardPlan encoding (version {_VERSION}): it starts with {values[:4]}; "
-                f"pass what ShardPlan.to_tensor() returned."
+                f"This tensor is not a ParameterShardPlan encoding (version {_VERSION}): it starts with {values[:4]}; "
+                f"pass what ParameterShardPlan.to_tensor() returned."
             )
         num_servers, count = values[2], values[3]
         slices, at = [], 4
@@ -229,7 +230,7 @@ class ShardPlan:
         except (ValueError, IndexError) as error:
             raise ValueError(
                 f"The plan encoding is truncated or corrupt near position {at} of {len(values)} ({error}); pass "
-                f"the whole tensor that ShardPlan.to_tensor() returned."
+                f"the whole tensor that ParameterShardPlan.to_tensor() returned."
             ) from error
         if at != len(values):
             raise ValueError(f"The plan encoding has {len(values) - at} trailing values after {count} slices.")
@@ -262,7 +263,7 @@ def plan_shards(
     num_servers: int,
     min_shard_bytes: int = 256 * 1024,
     max_shards_per_tensor: int | None = None,
-) -> ShardPlan:
+) -> ParameterShardPlan:
     """Partition ``params`` across ``num_servers`` servers, balanced by size.
 
     Only names, shapes and dtypes are read, so meta tensors work. The plan is a pure function of the sequence of
@@ -320,7 +321,7 @@ def plan_shards(
         server, offset = located[(index, start)]
         block_shape = (rows[1] - rows[0], *shape[1:]) if shape else ()
         slices.append(ShardSlice(name, server, rows, block_shape, offset, _block_numel(shape, rows)))
-    return ShardPlan(num_servers, tuple(slices))
+    return ParameterShardPlan(num_servers, tuple(slices))
 
 
 def _collect(params: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> list[tuple[str, tuple[int, ...], int]]:

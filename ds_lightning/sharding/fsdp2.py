@@ -12,7 +12,7 @@ other steps through the root's ``__call__``, as Lightning does for a DDP wrapper
 
 Checkpoints stay the plain ones: :func:`full_model_state` and :func:`full_optimizer_state` gather the whole state on
 rank 0 with ``torch.distributed.checkpoint.state_dict`` (collectives every rank must call), the optimizer's in a
-single-process ``state_dict()`` layout (parameters numbered in the order of its param groups);
+single-process ``state_dict()`` layout of :mod:`ds_lightning.sharding.optimizer_layout`;
 :func:`load_full_model_state` and :func:`load_full_optimizer_states` take those layouts (from any engine and world
 size) and keep this rank's shards.
 """
@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.optim import Optimizer
+
+from ds_lightning.sharding.optimizer_layout import named_state, numbered_state
 
 __all__ = [
     "SHARDING_ENGINES",
@@ -163,35 +165,6 @@ def load_full_model_state(module: nn.Module, state: Mapping[str, Any], strict: b
     set_model_state_dict(module, dict(state), options=StateDictOptions(full_state_dict=True, strict=strict))
 
 
-def _numbered(state: Mapping[str, Any]) -> dict[str, Any]:
-    """An FQN-keyed optimizer state as a single-process optimizer writes it: parameters numbered by group order."""
-    ids: dict[str, int] = {}
-    groups = []
-    for group in state["param_groups"]:
-        params = []
-        for name in group["params"]:
-            ids.setdefault(name, len(ids))
-            params.append(ids[name])
-        groups.append({**group, "params": params})
-    return {"state": {ids[name]: value for name, value in state["state"].items()}, "param_groups": groups}
-
-
-def _named(state: Mapping[str, Any], module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """The inverse of :func:`_numbered` for ``optimizer``: its parameters' names in the order of its groups."""
-    names = {param: name for name, param in module.named_parameters()}
-    order = [names.get(param) for group in optimizer.param_groups for param in group["params"]]
-    saved = [index for group in state["param_groups"] for index in group["params"]]
-    if None in order or len(saved) != len(order):
-        raise ValueError(
-            f"The checkpoint's optimizer state covers {len(saved)} parameters, but this optimizer steps {len(order)}"
-            f" ({order.count(None)} of them outside the model): resume with the model and configure_optimizers that"
-            " wrote the checkpoint."
-        )
-    by_index = dict(zip(saved, order, strict=True))
-    groups = [{**group, "params": [by_index[i] for i in group["params"]]} for group in state["param_groups"]]
-    return {"state": {by_index[i]: value for i, value in state["state"].items()}, "param_groups": groups}
-
-
 def full_optimizer_state(module: nn.Module, optimizer: Optimizer, writer: bool) -> dict[str, Any]:
     """The whole state of an optimizer over ``module``'s sharded parameters, on rank 0 (``writer``).
 
@@ -205,7 +178,7 @@ def full_optimizer_state(module: nn.Module, optimizer: Optimizer, writer: bool) 
     if not optimizer.state:
         return optimizer.state_dict() if writer else {}
     state = get_optimizer_state_dict(module, optimizer, options=_FULL_ON_RANK0)
-    return _numbered(state) if writer else {}
+    return numbered_state(state) if writer else {}
 
 
 def load_full_optimizer_states(
@@ -221,5 +194,5 @@ def load_full_optimizer_states(
         if not state.get("state"):
             optimizer.load_state_dict(state)  # nothing to shard: options (lr, betas) only
             continue
-        named = _named(state, module, optimizer)
+        named = named_state(state, module, optimizer)
         set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))

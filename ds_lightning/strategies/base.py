@@ -17,7 +17,6 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
@@ -32,8 +31,10 @@ from ds_lightning.data.eval_shards import exact_mean_input, uneven_batch_counts,
 from ds_lightning.data.resumable import DataCursor, position_loader
 from ds_lightning.environments._interfaces import pin_socket_interfaces
 from ds_lightning.environments.rendezvous import rendezvous_store
-from ds_lightning.environments.tf_config import TFConfig, TFConfigEnvironment, TFConfigError
-from ds_lightning.environments.torchelastic import elastic_num_nodes, pin_elastic_interfaces
+from ds_lightning.environments.tf_config import TFConfig
+from ds_lightning.environments.tf_config_adoption import adopt_tf_config, tf_config_in_use
+from ds_lightning.environments.torchelastic import AGENT_STORE_ENV, elastic_num_nodes, pin_elastic_interfaces
+from ds_lightning.strategies.capabilities import LIGHTNING_DEFAULTS, StrategyCapabilities
 
 __all__ = ["BACKENDS", "ClusterStrategy", "StartMethod"]
 
@@ -64,73 +65,6 @@ def check_launch_options(
     return duration if duration is not None else default_pg_timeout
 
 
-def tf_config_in_use(env: ClusterEnvironment | None) -> TFConfig | None:
-    """The ``TF_CONFIG`` this process runs under: its environment's, or the variable's when no other was chosen."""
-    if isinstance(env, TFConfigEnvironment):
-        return env.config
-    if (env is None or type(env) is LightningEnvironment) and TFConfigEnvironment.detect():
-        return TFConfig.from_json(os.environ["TF_CONFIG"])
-    return None
-
-
-def check_tf_config(strategy_name: str, config: TFConfig, num_nodes: int, serves_parameters: bool = False) -> None:
-    """Refuse a ``TF_CONFIG`` cluster the strategy cannot run, naming the field and the fix.
-
-    Raises:
-        TFConfigError: for an ``evaluator`` task; for ``ps`` tasks or a ``ps`` job unless ``serves_parameters``, and
-            for no ``ps`` job when it does; for a ``num_nodes`` other than 1 or the number of training tasks.
-
-    """
-    if config.task_type == "evaluator":
-        raise TFConfigError(
-            f"TF_CONFIG field `task.type` is 'evaluator', which {strategy_name} does not run; evaluate with"
-            " `ds-train validate` outside the cluster instead."
-        )
-    if serves_parameters and not config.cluster.get("ps"):
-        raise TFConfigError(
-            f"TF_CONFIG has no `cluster.ps` job, so {strategy_name} has no parameter servers; list at least one"
-            ' ps task, e.g. "ps": ["10.0.0.3:2222"], and start it with the same ds-train command.'
-        )
-    if not serves_parameters and config.task_type == "ps":
-        raise TFConfigError(
-            f"TF_CONFIG field `task.type` is 'ps' (index {config.task_index}), but {strategy_name} has no parameter"
-            " servers. Start this task with strategy='ds_parameter_server', or remove it from the cluster."
-        )
-    if not serves_parameters and "ps" in config.cluster:
-        raise TFConfigError(
-            f"TF_CONFIG field `cluster.ps` lists {len(config.cluster['ps'])} parameter server(s), which {strategy_name}"
-            " would never use; remove `ps` from the cluster or use strategy='ds_parameter_server'."
-        )
-    tasks = config.num_training_tasks
-    if num_nodes not in (1, tasks):
-        raise TFConfigError(
-            f"TF_CONFIG lists {tasks} training task(s) (chief + workers) but Trainer(num_nodes={num_nodes});"
-            f" use num_nodes={tasks} or leave it at its default."
-        )
-
-
-def adopt_tf_config(
-    strategy_name: str, env: ClusterEnvironment | None, num_nodes: int, serves_parameters: bool = False
-) -> tuple[ClusterEnvironment | None, int]:
-    """Use ``TF_CONFIG`` when it is set and no more specific environment was chosen, and validate it.
-
-    Returns:
-        The environment to use (a training task's :class:`TFConfigEnvironment`; a ``ps`` task's is left as it was)
-        and the number of nodes (one per chief/worker task).
-
-    Raises:
-        TFConfigError: see :func:`check_tf_config`.
-
-    """
-    config = tf_config_in_use(env)
-    if config is None:
-        return env, num_nodes
-    check_tf_config(strategy_name, config, num_nodes, serves_parameters)
-    if config.is_training_task and not isinstance(env, TFConfigEnvironment):
-        env = TFConfigEnvironment()
-    return env, config.num_training_tasks
-
-
 def destroy_process_group_at_exit(backend: str) -> None:
     """Destroy a non-NCCL default process group at interpreter exit.
 
@@ -141,16 +75,6 @@ def destroy_process_group_at_exit(backend: str) -> None:
     if not _EXIT_HOOK_REGISTERED and backend != "nccl":
         atexit.register(_destroy_dist_connection)
         _EXIT_HOOK_REGISTERED = True
-
-
-def pin_interfaces(env: ClusterEnvironment | None) -> str | None:
-    """Under ``TF_CONFIG``, make gloo and NCCL use the interface that holds this task's address.
-
-    See :func:`~ds_lightning.environments.pin_socket_interfaces`; call before the process group starts.
-    """
-    if not isinstance(env, TFConfigEnvironment):
-        return None
-    return pin_socket_interfaces(env.config.own_address[0])
 
 
 def setup_distributed(strategy: DDPStrategy, spans_hosts: bool = False) -> None:
@@ -168,7 +92,7 @@ def setup_distributed(strategy: DDPStrategy, spans_hosts: bool = False) -> None:
     kwargs: dict[str, Any] = {"timeout": strategy._timeout}
     if strategy.root_device.type != "cpu":
         kwargs["device_id"] = strategy.root_device
-    if not dist.is_initialized() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if not dist.is_initialized() and os.environ.get(AGENT_STORE_ENV) != "True":
         kwargs["store"] = rendezvous_store(
             env.main_address,
             env.main_port,
@@ -219,6 +143,9 @@ class ClusterStrategy(DDPStrategy):
 
     #: Whether ``TF_CONFIG`` ``ps`` tasks belong to this strategy (the parameter server sets it).
     serves_parameters: ClassVar[bool] = False
+    #: What callbacks may ask of this strategy (see :mod:`ds_lightning.strategies.capabilities`); a subclass
+    #: overrides only what differs from Lightning's own strategies.
+    capabilities: ClassVar[StrategyCapabilities] = LIGHTNING_DEFAULTS
 
     def __init__(
         self,
@@ -301,7 +228,7 @@ class ClusterStrategy(DDPStrategy):
             The adopted config, or ``None`` when the run does not use ``TF_CONFIG``.
 
         Raises:
-            TFConfigError: see :func:`check_tf_config`.
+            TFConfigError: see :func:`~ds_lightning.environments.tf_config_adoption.check_tf_config`.
 
         """
         self._tf_config = tf_config_in_use(self.cluster_environment)

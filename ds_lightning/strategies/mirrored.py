@@ -37,9 +37,10 @@ from ds_lightning.sharding import (
     load_sharded_states,
     shard_optimizers,
 )
-from ds_lightning.strategies._fsdp2 import FullyShardedSteps
+from ds_lightning.strategies._fsdp2_mixin import FullyShardedSteps
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
+from ds_lightning.strategies.capabilities import StrategyCapabilities
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
     """
 
     strategy_name = "ds_mirrored"
+    capabilities = StrategyCapabilities(weights_rank_gradients=True)  # balance_batches, gradient_weight
 
     def __init__(
         self,

@@ -26,26 +26,32 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_lightning.data.eval_shards import exact_mean_input
+from ds_lightning.environments.parameter_server_roles import (
+    TorchrunPart,
+    server_environment,
+    tf_config_servers,
+    torchrun_part,
+)
 from ds_lightning.parameter_server.channel import connect_servers
 from ds_lightning.parameter_server.checkpoint import (
-    consolidated_state,
-    index_of,
-    initial_server_states,
-    resume_state,
-    write_checkpoint,
+    ConsolidatedRun,
+    ResumePoint,
+    ShardState,
+    consolidate,
+    starting_shards,
 )
 from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.collectives import LiveWorkerCollectives
-from ds_lightning.parameter_server.elastic import TorchrunPart, torchrun_part
 from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher
 from ds_lightning.parameter_server.optimizer_shard import check_server_optimizer, check_trainable_model
 from ds_lightning.parameter_server.options import StalenessLR, check_no_validation_under_budget, check_options
 from ds_lightning.parameter_server.push_compression import PushCompressionName
-from ds_lightning.parameter_server.roles import server_environment, tf_config_servers
-from ds_lightning.parameter_server.serving import serve_shard
-from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
+from ds_lightning.parameter_server.server_process import serve_shard
+from ds_lightning.parameter_server.sharding import ParameterShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
+from ds_lightning.sharding.optimizer_layout import index_by_name
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
+from ds_lightning.strategies.capabilities import StrategyCapabilities
 
 
 class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
@@ -56,7 +62,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
     optimizer from ``configure_optimizers`` (and its LR schedulers) on it. Workers pull parameters, run the user's
     ``training_step`` and backward, and push gradients. Under ``TF_CONFIG``, ``ps`` tasks serve and ``chief``/``worker``
     tasks train; every task runs the same command. Under torchrun, its last ``num_servers`` ranks serve and the others
-    train (see :mod:`ds_lightning.parameter_server.elastic`).
+    train (see :mod:`ds_lightning.environments.parameter_server_roles`).
 
     The arguments ``DDPStrategy`` takes come first, in its positions (see
     :class:`~ds_lightning.strategies.ClusterStrategy`); the ones about torch's DDP wrapper are refused, since workers
@@ -97,6 +103,9 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
 
     strategy_name = "ds_parameter_server"
     serves_parameters = True
+    capabilities = StrategyCapabilities(
+        agrees_over_default_group=False, saves_from_chief_alone=True, steps_optimizer_on_servers=True
+    )
 
     def __init__(
         self,
@@ -159,13 +168,13 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         self.fitting = False  # whether this Trainer call is fit; the launcher sets it
         self._training = False
         self._pg: Any = None
-        self._plan: ShardPlan | None = None
+        self._plan: ParameterShardPlan | None = None
         self._client: ServerClient | None = None
         self._step: WorkerStep | None = None
         self._params: dict[str, Tensor] = {}
         self._finished = False
-        self._resume: dict[str, Any] | None = None
-        self._final_state: dict[str, Any] | None = None
+        self._resume: ResumePoint | None = None
+        self._final_state: ConsolidatedRun | None = None
         self._reset_survivors()
 
     @classmethod
@@ -263,7 +272,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         assert self.lightning_module is not None
         return {n: p for n, p in self.lightning_module.named_parameters() if p.requires_grad}
 
-    def _make_plan(self) -> ShardPlan:
+    def _make_plan(self) -> ParameterShardPlan:
         return plan_shards(self._trainable(), self.num_servers, min_shard_bytes=self.min_shard_bytes)
 
     @override
@@ -377,10 +386,8 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         if self._client is None or not self.is_global_zero:
             return
         assert self._plan is not None
-        shard_states, extra = initial_server_states(
-            self._plan, self.num_servers, self._resume or {}, self._index_of(), self._trainer().current_epoch
-        )
-        self._client.init(self._params, shard_states, extra)
+        resume, epoch = self._resume or ResumePoint(), self._trainer().current_epoch
+        self._client.init(starting_shards(self._plan, self._params, resume, self._index_of(), epoch))
         self._resume = None
 
     @override
@@ -429,25 +436,23 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
 
     def _index_of(self) -> dict[str, int]:
         assert self.lightning_module is not None
-        return index_of(self.lightning_module, self.optimizers[0])
+        return index_by_name(self.lightning_module, self.optimizers[0])
 
-    def _consolidated_state(self, replies: list[tuple[dict[str, Any], list[Tensor]]] | None = None) -> dict[str, Any]:
+    def _consolidated_state(self, shards: list[ShardState] | None = None) -> ConsolidatedRun:
         assert self._client is not None and self._plan is not None
-        progress = {"num_servers": self.num_servers, "num_workers": self.num_workers}
-        progress["max_staleness"] = self.max_staleness
-        return consolidated_state(
-            self._client, self._plan, self._params, self.optimizers[0], self._index_of(), progress, replies
-        )
+        run = {"num_servers": self.num_servers, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
+        shards = shards if shards is not None else self._client.state()
+        return consolidate(shards, self._plan, self._params, self.optimizers[0], self._index_of(), run)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if self.is_global_zero and (self._client is not None or self._final_state is not None):
             state = self._final_state if self._finished else self._consolidated_state()
             if state is not None:
-                write_checkpoint(checkpoint, state, self._params, self._finished)
+                state.write_into(checkpoint, final_params=self._params if self._finished else None)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         # The servers hold the optimizer; the chief hands them this state when training starts.
-        self._resume = resume_state(checkpoint)
+        self._resume = ResumePoint.from_checkpoint(checkpoint)

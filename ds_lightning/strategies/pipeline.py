@@ -47,6 +47,7 @@ from ds_lightning.pipeline.stage import PipelinedSequential, StageModule
 from ds_lightning.pipeline.trace import SpanRecorder
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
+from ds_lightning.strategies.capabilities import StrategyCapabilities
 
 __all__ = ["PipelineStrategy"]
 
@@ -104,6 +105,7 @@ class PipelineStrategy(ClusterStrategy):
     """
 
     strategy_name = "ds_pipeline"
+    capabilities = StrategyCapabilities(precision_plugin_wraps_forward=False)  # stages run in torch's schedule
 
     def __init__(
         self,

@@ -10,14 +10,10 @@ import torch
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 
-from ds_lightning.parameter_server.optimizer_shard import (
-    ELEMENTWISE_OPTIMIZERS,
-    ShardOptimizer,
-    check_server_optimizer,
-    consolidate_state,
-    split_full_state,
-)
-from ds_lightning.parameter_server.sharding import ShardPlan, plan_shards
+from ds_lightning.parameter_server.checkpoint import consolidate_state, split_full_state
+from ds_lightning.parameter_server.optimizer_shard import ELEMENTWISE_OPTIMIZERS, ShardOptimizer, check_server_optimizer
+from ds_lightning.parameter_server.sharding import ParameterShardPlan, plan_shards
+from ds_lightning.sharding.optimizer_layout import index_by_name
 
 MakeOptimizer = Callable[[nn.Module], torch.optim.Optimizer]
 
@@ -31,7 +27,7 @@ def _params(model: nn.Module) -> dict[str, nn.Parameter]:
     return {name: p for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _plan(model: nn.Module, num_servers: int) -> ShardPlan:
+def _plan(model: nn.Module, num_servers: int) -> ParameterShardPlan:
     plan = plan_shards(_params(model), num_servers=num_servers, min_shard_bytes=64)
     servers_of: dict[str, set[int]] = {}
     for piece in plan.slices:
@@ -62,9 +58,7 @@ class _Pair:
         self.reference = make(self.model)
         self.plan = _plan(self.model, num_servers)
         self.shards = self.build_shards(_params(self.model))
-        order = [p for group in self.reference.param_groups for p in group["params"]]
-        name_of = {id(p): name for name, p in _params(self.model).items()}
-        self.index_of = {name_of[id(p)]: index for index, p in enumerate(order)}
+        self.index_of = index_by_name(self.model, self.reference)
         self.shapes = {name: p.shape for name, p in _params(self.model).items()}
         self.generator = torch.Generator().manual_seed(1234)
 
@@ -210,7 +204,7 @@ def test_every_elementwise_optimizer_is_rebuilt_exactly_on_the_shards(cls):
 # learning rate ------------------------------------------------------------------------------------------------------
 
 
-def _plain_sgd_shards(lr: float = 0.1) -> tuple[ShardPlan, torch.optim.Optimizer, list[ShardOptimizer]]:
+def _plain_sgd_shards(lr: float = 0.1) -> tuple[ParameterShardPlan, torch.optim.Optimizer, list[ShardOptimizer]]:
     model = _model()
     plan = _plan(model, 2)
     template = torch.optim.SGD(model.parameters(), lr=lr)

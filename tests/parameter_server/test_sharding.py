@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ds_lightning.parameter_server.sharding import ShardPlan, ShardSlice, plan_shards
+from ds_lightning.parameter_server.sharding import ParameterShardPlan, ShardSlice, plan_shards
 
 KIB = 1024
 
@@ -33,7 +33,7 @@ def _mixed() -> dict[str, torch.Tensor]:
     }
 
 
-def _roundtrip(plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _roundtrip(plan: ParameterShardPlan, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     buffers = [plan.flatten(tensors, server) for server in range(plan.num_servers)]
     restored = {name: torch.zeros_like(t) for name, t in tensors.items()}
     for server, buffer in enumerate(buffers):
@@ -42,7 +42,7 @@ def _roundtrip(plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> dict[str, t
     return restored
 
 
-def _covered_exactly_once(plan: ShardPlan, tensors: dict[str, torch.Tensor]) -> None:
+def _covered_exactly_once(plan: ParameterShardPlan, tensors: dict[str, torch.Tensor]) -> None:
     """Flatten a tensor of ones per server and sum back: every element must count exactly once."""
     counts = {name: torch.zeros(t.shape) for name, t in tensors.items()}
     for server in range(plan.num_servers):
@@ -251,26 +251,26 @@ def test_tensor_encoding_round_trips():
     plan = plan_shards({**_mixed(), "ünï.weight": torch.empty(3, 3)}, 3, min_shard_bytes=KIB)
     encoded = plan.to_tensor()
     assert encoded.dtype == torch.int64 and encoded.dim() == 1
-    decoded = ShardPlan.from_tensor(encoded)
+    decoded = ParameterShardPlan.from_tensor(encoded)
     assert decoded == plan and decoded.fingerprint() == plan.fingerprint()
     assert decoded.server_slices(1) == plan.server_slices(1)
     with pytest.raises(ValueError, match="truncated or corrupt"):
-        ShardPlan.from_tensor(encoded[:-3])
-    with pytest.raises(ValueError, match="not a ShardPlan encoding"):
-        ShardPlan.from_tensor(torch.arange(10))
+        ParameterShardPlan.from_tensor(encoded[:-3])
+    with pytest.raises(ValueError, match="not a ParameterShardPlan encoding"):
+        ParameterShardPlan.from_tensor(torch.arange(10))
     with pytest.raises(ValueError, match="1-D int64"):
-        ShardPlan.from_tensor(encoded.float())
+        ParameterShardPlan.from_tensor(encoded.float())
 
 
 def test_plan_constructor_rejects_inconsistent_slices():
     good = ShardSlice("w", 0, (0, 2), (2, 3), 0, 6)
-    assert ShardPlan(1, (good,)).server_numel(0) == 6
+    assert ParameterShardPlan(1, (good,)).server_numel(0) == 6
     with pytest.raises(ValueError, match="sits on server 1 but the plan has 1 servers"):
-        ShardPlan(1, (ShardSlice("w", 1, (0, 2), (2, 3), 0, 6),))
+        ParameterShardPlan(1, (ShardSlice("w", 1, (0, 2), (2, 3), 0, 6),))
     with pytest.raises(ValueError, match="offsets must be contiguous"):
-        ShardPlan(1, (ShardSlice("w", 0, (0, 2), (2, 3), 5, 6),))
+        ParameterShardPlan(1, (ShardSlice("w", 0, (0, 2), (2, 3), 5, 6),))
     with pytest.raises(ValueError, match="overlapping row blocks"):
-        ShardPlan(2, (good, ShardSlice("w", 1, (1, 2), (1, 3), 0, 3)))
+        ParameterShardPlan(2, (good, ShardSlice("w", 1, (1, 2), (1, 3), 0, 3)))
 
 
 def test_flatten_and_unflatten_reject_tensors_of_another_model():

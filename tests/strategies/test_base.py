@@ -28,7 +28,7 @@ from ds_lightning import (
     TFConfigError,
 )
 from ds_lightning.environments import TFConfig
-from ds_lightning.strategies.base import check_tf_config
+from ds_lightning.environments.tf_config_adoption import check_tf_config
 from tests.helpers.runner import REPO, worker_env
 
 DROP_INS = [ClusterStrategy, MirroredStrategy, ParameterServerStrategy, PipelineStrategy]

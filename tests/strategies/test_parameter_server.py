@@ -20,7 +20,7 @@ import ds_lightning
 from ds_lightning.environments import TFConfigError
 from ds_lightning.parameter_server.launch import ServerLauncher, WorkerLauncher
 from ds_lightning.parameter_server.push_compression import topk_count
-from ds_lightning.parameter_server.wire import FRAME_BYTES
+from ds_lightning.parameter_server.tensor_messages import FRAME_BYTES
 from tests.helpers.ps_runs import Net, make_data
 from tests.helpers.runner import CONFIGS, REPO, ds_train, free_port, quiet_trainer_args, worker_env
 

@@ -1,9 +1,14 @@
-"""``ds_parameter_server`` under torchrun: the last ``num_servers`` of torchrun's ranks serve, the others train.
+"""Which processes of a ``ds_parameter_server`` run serve, under each launch: ``TF_CONFIG``, torchrun or ours.
 
-torchrun starts (and, after a failure, restarts) every process of the run, servers included, as TF's ``ps`` tasks are
-tasks of the cluster: with ``WORLD_SIZE`` processes and ``num_servers`` servers, ranks ``0..W-1`` are the workers
-(``W = WORLD_SIZE - num_servers``) and rank ``W + i`` is server ``i``. The workers form their process group among
-themselves; the server channel forms from torchrun's store at ``MASTER_ADDR:MASTER_PORT``.
+- ``TF_CONFIG``: its ``ps`` tasks serve (:func:`tf_config_servers`), the chief and workers train.
+- torchrun starts (and, after a failure, restarts) every process of the run, servers included, as TF's ``ps`` tasks
+  are tasks of the cluster: with ``WORLD_SIZE`` processes and ``num_servers`` servers, ranks ``0..W-1`` are the
+  workers (``W = WORLD_SIZE - num_servers``) and rank ``W + i`` is server ``i`` (:class:`TorchrunPart`). The workers
+  form their process group among themselves; the server channel forms from torchrun's store at
+  ``MASTER_ADDR:MASTER_PORT``.
+- Our own launcher starts the servers beside the workers and tells each its index.
+
+Whatever the launch, a server's rank is ``num_workers + server_index`` (:func:`server_environment`).
 """
 
 from __future__ import annotations
@@ -12,14 +17,38 @@ import os
 import socket
 
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import TorchElasticEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 from typing_extensions import override
 
 from ds_lightning.environments._interfaces import is_loopback
+from ds_lightning.environments.tf_config import TFConfig, TFConfigError
 from ds_lightning.environments.torchelastic import route_source_address
 
-RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
-AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
+__all__ = ["TorchrunPart", "server_environment", "tf_config_servers", "torchrun_part"]
+
+
+def tf_config_servers(config: TFConfig, num_servers_arg: int | None) -> tuple[int, int | None]:
+    """The number of servers ``TF_CONFIG`` lists, and this task's server index (``None`` unless it is a ``ps`` task).
+
+    Raises:
+        TFConfigError: when ``num_servers`` was given and differs from the ``ps`` tasks, naming both and the fix.
+
+    """
+    servers = len(config.cluster["ps"])  # adopt_tf_config refused a cluster without a ps job
+    if num_servers_arg not in (None, servers):
+        raise TFConfigError(
+            f"num_servers={num_servers_arg} but TF_CONFIG lists {servers} ps task(s); leave num_servers"
+            " unset under TF_CONFIG, or make the cluster spec match."
+        )
+    return servers, config.task_index if config.task_type == "ps" else None
+
+
+def server_environment(num_workers: int, server_index: int) -> LightningEnvironment:
+    """A server's environment: the workers' world, and the rank after theirs (``num_workers + server_index``)."""
+    env = LightningEnvironment()
+    env.set_world_size(num_workers)
+    env.set_global_rank(num_workers + server_index)
+    return env
 
 
 class TorchrunPart(TorchElasticEnvironment):
@@ -79,16 +108,3 @@ def torchrun_part(env: ClusterEnvironment | None, num_servers: int) -> TorchrunP
             " --trainer.devices=--nproc-per-node), or lower num_servers."
         )
     return TorchrunPart(num_servers)
-
-
-def store_round() -> int:
-    """Which group the store at ``MASTER_ADDR:MASTER_PORT`` serves now: 0, or torchrun's restarts when it is shared.
-
-    Under torchrun's default the workers share the agent's store, which outlives a restart and keeps the old group's
-    keys; the agents restart together, so their restart count tells the rounds apart. Otherwise (no torchrun, or
-    ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``: rank 0 hosts it) each group's store is new, and an agent started again
-    (a host back) counts its restarts from 0, so the count must not be used.
-    """
-    if os.environ.get(AGENT_STORE_ENV) != "True":
-        return 0
-    return int(os.environ.get(RESTART_ENV, "0"))

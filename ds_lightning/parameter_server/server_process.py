@@ -11,8 +11,8 @@ from torch.optim import Optimizer
 
 from ds_lightning.parameter_server.launch import _ServingFinished
 from ds_lightning.parameter_server.optimizer_shard import ShardOptimizer
-from ds_lightning.parameter_server.server import ParameterServer, SchedulerSlot
-from ds_lightning.parameter_server.sharding import ShardPlan
+from ds_lightning.parameter_server.server_loop import ParameterServer, SchedulerSlot
+from ds_lightning.parameter_server.sharding import ParameterShardPlan
 
 
 def serve_shard(
@@ -22,7 +22,7 @@ def serve_shard(
     optimizer: Optimizer,
     scheduler_configs: Sequence[Any],
     trainable: Mapping[str, Tensor],
-    plan: ShardPlan,
+    plan: ParameterShardPlan,
     *,
     max_staleness: int | None,
     staleness_lr: str,

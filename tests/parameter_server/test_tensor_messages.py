@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ds_lightning.parameter_server.wire import FRAME_BYTES
-from tests.helpers import wire_workers
+from ds_lightning.parameter_server.tensor_messages import FRAME_BYTES
+from tests.helpers import tensor_message_workers
 from tests.helpers.runner import free_port
 
 pytestmark = pytest.mark.multiprocess
@@ -46,7 +46,7 @@ def _spawn(target: Any, out: Path) -> list[dict[str, Any] | None]:
 
 @pytest.fixture(scope="module")
 def exchanged(tmp_path_factory) -> tuple[dict[str, Any], dict[str, Any]]:
-    sender, receiver = _spawn(wire_workers.exchange, tmp_path_factory.mktemp("wire"))
+    sender, receiver = _spawn(tensor_message_workers.exchange, tmp_path_factory.mktemp("wire"))
     assert sender is not None and receiver is not None
     return sender, receiver
 
@@ -61,9 +61,9 @@ def _assert_same_tensors(actual: list[torch.Tensor], expected: list[torch.Tensor
 
 def test_header_and_tensors_of_every_dtype_arrive_equal(exchanged):
     _, receiver = exchanged
-    assert receiver["header"] == wire_workers.HEADER
+    assert receiver["header"] == tensor_message_workers.HEADER
     assert "_tensors" not in receiver["header"]
-    expected = wire_workers.sample_tensors()
+    expected = tensor_message_workers.sample_tensors()
     assert {t.dtype for t in expected} >= {
         torch.float32,
         torch.float64,
@@ -79,16 +79,16 @@ def test_header_and_tensors_of_every_dtype_arrive_equal(exchanged):
 
 def test_byte_counts_agree_and_equal_frame_plus_tensor_bytes(exchanged):
     sender, receiver = exchanged
-    tensor_bytes = sum(t.numel() * t.element_size() for t in wire_workers.sample_tensors())
+    tensor_bytes = sum(t.numel() * t.element_size() for t in tensor_message_workers.sample_tensors())
     assert sender["sent_bytes"] == receiver["received_bytes"] == FRAME_BYTES + tensor_bytes
 
 
 def test_header_longer_than_the_frame_follows_in_one_more_transfer(exchanged):
     sender, receiver = exchanged
     header, tensors = receiver["long"]
-    assert header == wire_workers.long_header()
+    assert header == tensor_message_workers.long_header()
     _assert_same_tensors(tensors, [torch.arange(5)])
-    meta = {**wire_workers.long_header(), "_tensors": [["int64", [5]]], "_inline": False}
+    meta = {**tensor_message_workers.long_header(), "_tensors": [["int64", [5]]], "_inline": False}
     text_bytes = len(json.dumps(meta).encode())
     assert text_bytes > FRAME_BYTES
     assert sender["long_bytes"] == receiver["long_bytes"] == FRAME_BYTES + text_bytes + 5 * 8
@@ -97,7 +97,7 @@ def test_header_longer_than_the_frame_follows_in_one_more_transfer(exchanged):
 def test_a_message_that_fits_the_channel_capacity_is_one_transfer_of_frame_and_tensor_bytes(exchanged):
     _, receiver = exchanged
     raw = receiver["capacity_raw"]
-    _, tensors = wire_workers.capacity_messages()[0]
+    _, tensors = tensor_message_workers.capacity_messages()[0]
     payload = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors])
     assert torch.equal(raw[FRAME_BYTES : FRAME_BYTES + payload.numel()], payload)
     # The next receive on the channel got the next message, so nothing of the first one followed separately.
@@ -106,7 +106,7 @@ def test_a_message_that_fits_the_channel_capacity_is_one_transfer_of_frame_and_t
 
 def test_capacity_channel_messages_arrive_equal_and_never_alias_the_reused_buffer(exchanged):
     sender, receiver = exchanged
-    expected = wire_workers.capacity_messages()[1:]
+    expected = tensor_message_workers.capacity_messages()[1:]
     for (header, tensors, nbytes), (want_header, want_tensors) in zip(receiver["capacity"], expected, strict=True):
         assert header == want_header  # the reserved "_inline" flag is not handed back
         # Later messages reused the receive buffer: equal tensors here mean none of them was a view into it.
@@ -127,9 +127,9 @@ def test_unsupported_dtype_raises_value_error_before_anything_is_sent(exchanged)
 
 def test_back_to_back_messages_on_one_tag_arrive_in_order(exchanged):
     _, receiver = exchanged
-    assert [header["seq"] for header, _ in receiver["order"]] == list(range(wire_workers.ORDER_COUNT))
+    assert [header["seq"] for header, _ in receiver["order"]] == list(range(tensor_message_workers.ORDER_COUNT))
     for seq, (header, tensors) in enumerate(receiver["order"]):
-        expected_header, expected_tensors = wire_workers.order_message(seq)
+        expected_header, expected_tensors = tensor_message_workers.order_message(seq)
         assert header == expected_header
         _assert_same_tensors(tensors, expected_tensors)
 
@@ -138,9 +138,9 @@ def test_messages_on_two_tags_do_not_interleave(exchanged):
     _, receiver = exchanged
     for channel in ("a", "b"):
         received = receiver[f"channel_{channel}"]
-        assert len(received) == wire_workers.CHANNEL_COUNT
+        assert len(received) == tensor_message_workers.CHANNEL_COUNT
         for seq, (header, tensors) in enumerate(received):
-            expected_header, expected_tensors = wire_workers.channel_message(channel, seq)
+            expected_header, expected_tensors = tensor_message_workers.channel_message(channel, seq)
             assert header == expected_header
             _assert_same_tensors(tensors, expected_tensors)
 

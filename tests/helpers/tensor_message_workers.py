@@ -1,4 +1,4 @@
-"""Two-rank gloo workers for the framed-message wire format (spawned by tests/ps/test_wire.py).
+"""Two-rank gloo workers for the parameter server's framed tensor messages (see test_tensor_messages.py).
 
 Each worker builds its own process group on a ``TCPStore``, runs the scenario and writes what it saw into ``out``
 (``rank<N>.pt``, loaded with ``weights_only=True``); a worker that fails writes its traceback to ``rank<N>.err``.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ds_lightning.parameter_server.wire import FRAME_BYTES, recv_message, send_message
+from ds_lightning.parameter_server.tensor_messages import FRAME_BYTES, recv_message, send_message
 
 GROUP_TIMEOUT = timedelta(seconds=30)
 MAIN_TAG, ORDER_TAG, TAG_A, TAG_B, DONE_TAG, CAPACITY_TAG = 1, 2, 21, 22, 3, 4

@@ -31,10 +31,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ds_lightning.parameter_server.checkpoint import ServingProgress, ShardState, hyperparameters, jsonable
 from ds_lightning.parameter_server.optimizer_shard import ShardOptimizer
 from ds_lightning.parameter_server.push_compression import PushCompressor
 from ds_lightning.parameter_server.staleness import StalenessClock, StalenessStats, SyncAccumulator, staleness_lr_factor
-from ds_lightning.parameter_server.wire import Pending, channel_capacity, post_message, recv_message
+from ds_lightning.parameter_server.tensor_messages import Pending, channel_capacity, post_message, recv_message
 
 log = logging.getLogger(__name__)
 
@@ -221,16 +222,16 @@ class ParameterServer:
             raise ValueError(f"parameter server {self.server} got unknown op {op!r} from worker {worker}")
 
     def _init(self, header: dict[str, Any], tensors: list[Tensor]) -> None:
-        self.shard.flat.copy_(tensors[0])
-        n_state = int(header["n_state"])
-        self.shard.import_state(header["state_entries"], tensors[1 : 1 + n_state])
-        for group, hyper in zip(self.shard.template.param_groups, header.get("param_groups", []), strict=False):
+        start = ShardState.from_message(header, tensors)
+        self.shard.flat.copy_(start.flat)
+        self.shard.import_state(start.entries, start.state)
+        for group, hyper in zip(self.shard.template.param_groups, start.param_groups, strict=False):
             group.update({k: v for k, v in hyper.items() if k != "params"})
-        for slot, state in zip(self.schedulers, header.get("schedulers", []), strict=False):
+        for slot, state in zip(self.schedulers, start.schedulers, strict=False):
             slot.scheduler.load_state_dict(state)
         self.shard.sync_hyperparameters()
-        self.version = self.updates = int(header.get("updates", 0))
-        self.epochs_done = int(header.get("epoch", 0))
+        self.version = self.updates = start.progress.updates
+        self.epochs_done = start.progress.epoch
         if self.sync is not None:
             self.sync = SyncAccumulator(self.num_workers, version=self.version)
             for worker in self.report.lost + self.report.finished:
@@ -338,9 +339,8 @@ class ParameterServer:
         self.window[worker] = StalenessStats()
         tensors = [self.shard.flat] if with_params else []
         if header.get("with_state"):
-            fields, state = self._state_fields()
+            fields, tensors = self._state().to_message()
             answer.update({k: v for k, v in fields.items() if k not in answer})
-            tensors += state
         try:
             self._post(worker, answer, tensors)
         except Exception as error:
@@ -348,36 +348,23 @@ class ParameterServer:
             log.warning("parameter server %d could not answer worker %d: %s", self.server, worker, error)
 
     def _send_state(self, worker: int) -> None:
-        answer, state = self._state_fields()
-        self._post(worker, {"op": "state", **answer}, [self.shard.flat, *state])
+        answer, tensors = self._state().to_message()
+        self._post(worker, {"op": "state", **answer}, tensors)
 
-    def _state_fields(self) -> tuple[dict[str, Any], list[Tensor]]:
+    def _state(self) -> ShardState:
         entries, state = self.shard.export_state()
-        answer = {
-            "version": self.version,
-            "updates": self.updates,
-            "epoch": self.epochs_done,
-            "clocks": list(self.clock.clocks),
-            "worker_progress": self.worker_progress,
-            "lost": list(self.report.lost),
-            "state_entries": entries,
-            "n_state": len(state),
-            "param_groups": [
-                jsonable({k: v for k, v in g.items() if k != "params"}) for g in self.shard.template.param_groups
-            ],
-            "schedulers": [jsonable(slot.scheduler.state_dict()) for slot in self.schedulers],
-        }
-        return answer, state
-
-
-def jsonable(value: Any) -> Any:
-    """Scheduler state as JSON: tensors become lists, functions (LambdaLR's) become None."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [jsonable(v) for v in value]
-    if isinstance(value, Tensor):
-        return value.tolist()
-    if isinstance(value, (int, float, str, bool)) or value is None:
-        return value
-    return None
+        return ShardState(
+            flat=self.shard.flat,
+            entries=entries,
+            state=state,
+            param_groups=hyperparameters(self.shard.template.param_groups),
+            schedulers=[jsonable(slot.scheduler.state_dict()) for slot in self.schedulers],
+            progress=ServingProgress(
+                updates=self.updates,
+                version=self.version,
+                epoch=self.epochs_done,
+                clocks=list(self.clock.clocks),
+                worker_progress=[list(progress) for progress in self.worker_progress],
+                lost=list(self.report.lost),
+            ),
+        )
