@@ -3,6 +3,7 @@
 ``import ds_lightning`` registers ``ds_mirrored`` (and later strategies) in Lightning's ``StrategyRegistry``.
 """
 
+from ds_lightning.data.eval_shards import EvalShardError
 from ds_lightning.environments import TFConfigEnvironment, TFConfigError
 from ds_lightning.parameter_server import ServerLostError
 from ds_lightning.strategies import (
@@ -20,6 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterStrategy",
     "CommandError",
+    "EvalShardError",
     "LayerSplitStrategy",
     "MirroredStrategy",
     "ParameterServerStrategy",
