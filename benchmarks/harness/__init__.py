@@ -5,6 +5,7 @@ from one run), and calls :func:`main`; see ``benchmarks/README.md``.
 """
 
 from .cli import RESULTS, Benchmark, main, stem
+from .provenance import cpu_model, provenance
 from .run import REPO, Failed, error_line, launch, package_state, run_experiment, worker_env
 from .spec import Arm, Experiment, interleave
 from .summary import best_of, fmt, ok, paired, ratio_to, spread, summarise, values
@@ -21,6 +22,7 @@ __all__ = [
     "Panel",
     "bar_panels",
     "best_of",
+    "cpu_model",
     "error_line",
     "fmt",
     "interleave",
@@ -30,6 +32,7 @@ __all__ = [
     "ok",
     "package_state",
     "paired",
+    "provenance",
     "ratio_to",
     "read_json",
     "run_experiment",

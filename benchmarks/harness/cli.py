@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .provenance import provenance
 from .run import package_state, run_experiment
 from .spec import Arm, Experiment
 from .writers import read_json, write_json, write_markdown
@@ -161,6 +162,7 @@ def main(bench: Benchmark, argv: Sequence[str] | None = None) -> dict[str, Any]:
         "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "settings": settings,
         "package": package,
+        "provenance": provenance(),
         **meta,
     }
     data.update(bench.collect(opts))
