@@ -15,6 +15,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -209,11 +210,12 @@ class MixedPrecision(Callback):
     @staticmethod
     def _training_step(strategy: pl.strategies.Strategy, pl_module: pl.LightningModule, batch: Any, idx: int) -> Any:
         model = strategy.model
-        if model is None or model is pl_module or isinstance(model, DistributedDataParallel):
-            # Past DDP's wrapper: its forward would arm the gradient all-reduce (and the comm hook's state) for the
-            # backward; the timing passes run on this rank alone.
+        # Past DDP's wrapper: its forward would arm the gradient all-reduce (and the comm hook's state) for the
+        # backward, so the passes run on this rank alone. FSDP2's sharded root (the LightningModule itself, or a
+        # wrapper) gathers the parameters in its own forward hooks, so the passes go through its __call__.
+        direct = model is None or isinstance(model, DistributedDataParallel)
+        if direct or (model is pl_module and not isinstance(model, FSDPModule)):
             return pl_module.training_step(batch, idx)
-        # Another wrapper (FSDP2's sharded root) gathers the parameters in its own hooks: go through it.
         return strategy._forward_redirection(model, pl_module, "training_step", batch, idx)
 
     # --- logging and checkpoints ----------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """``MixedPrecision("auto")`` on 2 ``ds_mirrored`` CPU processes: do the ranks agree when their timings disagree?
 
-Usage: ``python -m tests.helpers.precision_runs OUT`` on every rank (started together, as torchrun would). Four fits
+Usage: ``python -m tests.helpers.precision_runs OUT`` on every rank (started together, as torchrun would). Five fits
 in one process group, each with a fresh callback; in the first three the timing seam returns figures that depend on
-the rank (and checks the arguments it was called with), in the last the real passes are timed. Each rank writes
+the rank (and records the arguments it was called with), in the last two the real passes are timed (under DDP, then
+under the fsdp2 engine). Each rank writes
 ``OUT.rank{r}.json``: per fit, the choice, the agreed figures, the seam's calls, and the autocast state of every
 training step.
 """
@@ -34,6 +35,7 @@ FITS: dict[str, tuple[float, float] | None] = {
     "rank0_favours_bf16": (5.0, 30.0),  # the mirror image: a choice copied from rank 0 would be bf16
     "both_favour_bf16": (5.0, 8.0),  # bf16 on both, at the slowest rank's 8 ms
     "measured": None,
+    "measured_fsdp2": None,  # the timing passes go through FSDP2's sharded root (it gathers the parameters)
 }
 
 
@@ -66,7 +68,8 @@ def fake_timing(rank: int, bf16_ms: tuple[float, float], calls: list[dict[str, A
 
 
 def fit_once(name: str, bf16_ms: tuple[float, float] | None, root: str) -> dict[str, Any]:
-    strategy = ds_lightning.MirroredStrategy(timeout=timedelta(seconds=120))
+    sharded = {"shard_optimizer_state": True, "sharding_engine": "fsdp2"} if name.endswith("fsdp2") else {}
+    strategy = ds_lightning.MirroredStrategy(timeout=timedelta(seconds=120), **sharded)
     amp = MixedPrecision("auto", probe_passes=PASSES)
     calls: list[dict[str, Any]] = []
     if bf16_ms is not None:
