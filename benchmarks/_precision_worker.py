@@ -68,6 +68,12 @@ class SavedBytesCounter(pl.LightningModule):
     activation_bytes: list[int]
     weight_copy_bytes: list[int]
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Runs after the callbacks' hook, in which MixedPrecision("auto") times its passes through training_step:
+        # keep one entry per finished step, the step's own.
+        steps = self.trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        del self.activation_bytes[steps:], self.weight_copy_bytes[steps:]
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         params = {p.untyped_storage().data_ptr() for p in self.parameters()}
         activations: dict[int, int] = {}
