@@ -22,6 +22,7 @@ effects beyond those (a torchmetrics metric it updates, a counter it keeps).
 from __future__ import annotations
 
 import contextlib
+import math
 import random
 import statistics
 import time
@@ -36,6 +37,7 @@ from torch import nn
 
 __all__ = [
     "MIN_MARGIN",
+    "CandidateFailed",
     "Chosen",
     "PrecisionDecision",
     "agree",
@@ -58,6 +60,10 @@ RunPass = Callable[[str], None]
 TimeCandidates = Callable[[RunPass, Sequence[str], int, torch.device], dict[str, list[float]]]
 
 
+class CandidateFailed(RuntimeError):
+    """A timing pass in a low precision raised (an op without a kernel for that dtype): that precision cannot win."""
+
+
 def candidates_for(device: torch.device) -> tuple[Chosen, ...]:
     """The precisions ``auto`` times on ``device``: fp32 and bf16 on a CPU, fp16 too on CUDA; fp32 elsewhere."""
     if device.type == "cpu":
@@ -73,7 +79,8 @@ def time_candidates(
 ) -> dict[str, list[float]]:
     """Seconds of each of ``passes`` timed rounds per candidate, after one warm-up round (left out).
 
-    Each round runs every candidate once, starting one candidate later than the round before.
+    Each round runs every candidate once, starting one candidate later than the round before. A candidate whose pass
+    raises :class:`CandidateFailed` is not run again, and all its rounds read ``inf``.
     """
 
     def sync() -> None:
@@ -81,16 +88,21 @@ def time_candidates(
             torch.cuda.synchronize(device)  # kernels return before the work is done
 
     seconds: dict[str, list[float]] = {c: [] for c in candidates}
+    failed: set[str] = set()
     for round_ in range(passes + 1):
         k = round_ % len(candidates)
-        for candidate in [*candidates[k:], *candidates[:k]]:
+        for candidate in [c for c in [*candidates[k:], *candidates[:k]] if c not in failed]:
             sync()
             start = time.perf_counter()
-            run_pass(candidate)
+            try:
+                run_pass(candidate)
+            except CandidateFailed:
+                failed.add(candidate)
+                continue
             sync()
             if round_:  # round 0 warms up: allocation and kernel selection stay out of the figures
                 seconds[candidate].append(time.perf_counter() - start)
-    return seconds
+    return {c: [math.inf] * passes if c in failed else xs for c, xs in seconds.items()}
 
 
 def agree(
@@ -163,15 +175,18 @@ def decide(seconds: Mapping[str, Sequence[float]], min_margin: float = MIN_MARGI
         ValueError: without fp32 figures, or with a candidate that has none.
 
     """
-    if BASELINE not in seconds or any(not xs for xs in seconds.values()):
+    if BASELINE not in seconds or any(not xs for xs in seconds.values()) or not math.isfinite(max(seconds[BASELINE])):
         raise ValueError(f"decide() needs timed rounds of fp32 and of every candidate; got {dict(seconds)}.")
     median = {c: statistics.median(xs) for c, xs in seconds.items()}
-    noise = {c: _noise(xs) for c, xs in seconds.items()}
+    ran = [c for c in seconds if math.isfinite(median[c])]  # a candidate that failed on any rank reads inf
+    noise = {c: _noise(seconds[c]) for c in ran}
     base = median[BASELINE]
-    margin = {c: max(min_margin, noise[BASELINE], noise[c]) for c in seconds if c != BASELINE}
+    margin = {c: max(min_margin, noise[BASELINE], noise[c]) for c in ran if c != BASELINE}
     winners = [c for c in margin if median[c] < base * (1 - margin[c])]
-    chosen: Chosen = min(winners, key=median.__getitem__) if winners else BASELINE  # type: ignore[assignment]
-    figures = ", ".join(f"{c} {1e3 * median[c]:.2f} ms (noise {noise[c]:.0%})" for c in seconds)
+    chosen: Chosen = min(winners, key=median.__getitem__) if winners else BASELINE  # type: ignore[arg-type,assignment]
+    figures = ", ".join(
+        f"{c} {1e3 * median[c]:.2f} ms (noise {noise[c]:.0%})" if c in noise else f"{c} could not run" for c in seconds
+    )
     if chosen == BASELINE:
         reason = f"no precision beat fp32 by more than its margin ({figures})"
     else:
@@ -193,7 +208,7 @@ def preserved(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterat
     A gradient that existed is copied back into the same tensor (a DDP gradient may be a view of its bucket); one that
     did not is set to ``None`` again.
     """
-    grads = [(p, p.grad, None if p.grad is None else p.grad.detach().clone()) for p in module.parameters()]
+    grads = [(p, p.grad, p.grad.detach().clone() if p.grad is not None else None) for p in module.parameters()]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     python_state = random.getstate()
     numpy_state = _numpy_state()
@@ -204,7 +219,7 @@ def preserved(module: nn.Module, devices: Sequence[torch.device] = ()) -> Iterat
         finally:
             with torch.no_grad():
                 for param, grad, saved in grads:
-                    if grad is None:
+                    if grad is None or saved is None:
                         param.grad = None
                     else:
                         grad.copy_(saved)

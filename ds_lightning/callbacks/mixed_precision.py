@@ -184,14 +184,20 @@ class MixedPrecision(Callback):
         def run_pass(name: str) -> None:
             for param in params:
                 param.grad = None  # as Lightning's zero_grad(set_to_none=True) before a step
-            dtype = probe.AUTOCAST_DTYPES.get(name)
-            autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+            if name == "fp32":
+                return one_pass(contextlib.nullcontext(), scaled=False)
+            try:  # an op without a kernel for this dtype rules the precision out, not the run
+                return one_pass(torch.autocast(device.type, dtype=probe.AUTOCAST_DTYPES[name]), scaled=name == "fp16")
+            except RuntimeError as exc:
+                raise probe.CandidateFailed(f"{name}: {exc}") from exc
+
+        def one_pass(autocast: Any, scaled: bool) -> None:
             with autocast:
                 out = self._training_step(strategy, pl_module, batch, batch_idx)
             loss = out.get("loss") if isinstance(out, Mapping) else out
             if not isinstance(loss, torch.Tensor) or not loss.requires_grad:
                 return  # a step that returns no loss: its forward alone is timed
-            if name == "fp16":
+            if scaled:
                 scaler = torch.amp.GradScaler(device.type)  # a throwaway: the real one's state stays untouched
                 scaler.scale(loss).backward()
                 for optimizer in trainer.optimizers:
@@ -213,8 +219,9 @@ class MixedPrecision(Callback):
         # Past DDP's wrapper: its forward would arm the gradient all-reduce (and the comm hook's state) for the
         # backward, so the passes run on this rank alone. FSDP2's sharded root (the LightningModule itself, or a
         # wrapper) gathers the parameters in its own forward hooks, so the passes go through its __call__.
-        direct = model is None or isinstance(model, DistributedDataParallel)
-        if direct or (model is pl_module and not isinstance(model, FSDPModule)):
+        if model is None or isinstance(model, DistributedDataParallel):
+            return pl_module.training_step(batch, idx)
+        if model is pl_module and not isinstance(model, FSDPModule):
             return pl_module.training_step(batch, idx)
         return strategy._forward_redirection(model, pl_module, "training_step", batch, idx)
 

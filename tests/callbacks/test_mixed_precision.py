@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import math
 import re
 import statistics
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
 from ds_lightning.callbacks import MixedPrecision
-from ds_lightning.callbacks._precision_probe import MIN_MARGIN, agree, decide, time_candidates
+from ds_lightning.callbacks._precision_probe import MIN_MARGIN, CandidateFailed, agree, decide, time_candidates
 from tests.helpers.models import OverflowingModule, TinyData, TinyModule
 from tests.helpers.runner import run_ranks
 from tests.helpers.trainers import quiet_trainer
@@ -97,6 +98,36 @@ def test_candidates_are_timed_in_rotating_order_after_one_warm_up_round():
     seconds = time_candidates(order.append, ("fp32", "bf16"), 3, torch.device("cpu"))
     assert order == ["fp32", "bf16", "bf16", "fp32", "fp32", "bf16", "bf16", "fp32"]
     assert {c: len(v) for c, v in seconds.items()} == {"fp32": 3, "bf16": 3}  # the warm-up round left out
+
+
+def test_a_precision_whose_pass_fails_is_not_run_again_and_cannot_win():
+    order: list[str] = []
+
+    def run_pass(name: str) -> None:
+        order.append(name)
+        if name == "bf16":
+            raise CandidateFailed("bf16: no kernel")
+
+    seconds = time_candidates(run_pass, ("fp32", "bf16"), 3, torch.device("cpu"))
+    assert order == ["fp32", "bf16", "fp32", "fp32", "fp32"]
+    assert seconds["bf16"] == [math.inf] * 3 and all(math.isfinite(x) for x in seconds["fp32"])
+    decision = decide(seconds)
+    assert decision.chosen == "fp32" and "bf16 could not run" in decision.reason
+
+
+class _NoBf16(TinyModule):
+    """A model with an op that has no bf16 kernel, as it would fail under bf16 autocast."""
+
+    def training_step(self, batch, batch_idx):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("\"some_op\" not implemented for 'BFloat16'")
+        return super().training_step(batch, batch_idx)
+
+
+def test_auto_trains_in_fp32_when_the_model_cannot_run_in_bf16(tmp_path):
+    amp = MixedPrecision("auto", probe_passes=3)
+    quiet_trainer(tmp_path, [amp], max_steps=2).fit(_NoBf16(), TinyData())
+    assert amp.chosen == "fp32" and amp.decision is not None and "bf16 could not run" in amp.decision.reason
 
 
 def test_a_single_process_keeps_its_own_figures():
