@@ -286,7 +286,7 @@ class Precision(harness.Benchmark):
         title = (
             f"fp32 vs mixed precision, {workload_label(data)}, batch {data['settings']['batch_size']}"
             f"{f' x {block_of(data)} tokens' if unit_of(data) == 'tokens' else ''},"
-            f" {data['accelerator_used']} (median, min-max over repeats; labels: ratio to fp32)"
+            f" {data['accelerator_used']} (median, min-max over launches; labels: ratio to fp32)"
         )
         path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
         harness.bar_panels(path, data["summary"], panels, title, COLORS)
@@ -400,7 +400,11 @@ def findings(data: dict[str, Any]) -> list[str]:
         if t is None:
             continue
         speed = f"{t['median']:.2f}x the fp32 step time" + (
-            f", i.e. {t['median']:.1f} times slower" if t["median"] >= 1 else f", a {1 / t['median']:.2f}x speed-up"
+            f", {t['median'] - 1:.0%} slower"
+            if 1 <= t["median"] < 2
+            else ""
+            if t["median"] >= 2
+            else f", a {1 / t['median']:.2f}x speed-up"
         )
         line = f"- {LABELS[name]}: {speed}"
         if m is not None:
@@ -411,6 +415,11 @@ def findings(data: dict[str, Any]) -> list[str]:
             if copies > 0:
                 line += f", plus {copies:.2f} MB of autocast's low-precision weight copies, which fp32 does not need"
         out.append(line + ".")
+        if name == "auto" and set(s[name].get("chosen", [])) == {BASE}:
+            out.append(
+                "  auto trained in fp32 in every launch, so past its first step it ran fp32's code path: read its"
+                " ratio against the spread of fp32's own step time between launches."
+            )
         if cpu and t["median"] > 1 and name != "auto":
             why = (
                 f"this CPU has no native bf16/fp16 matrix instructions (flags found: {', '.join(flags) or 'none'}),"
