@@ -74,11 +74,11 @@ def model_defaults(opts: argparse.Namespace) -> argparse.Namespace:
 
 
 def cpu_info() -> dict[str, Any]:
-    """The CPU's name and whether it has native bf16 / fp16 matrix instructions (Linux; empty elsewhere)."""
+    """The CPU's name, and which bf16 / fp16 matrix instructions it lists (for the report: auto never reads them)."""
     info: dict[str, Any] = {"machine": platform.machine(), "cores": os.cpu_count()}
+    info["model"] = harness.cpu_model() or "unknown"
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
-        info["model"] = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "unknown")
         flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
         wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile")
         info["flags"] = [f for f in wanted if f in flags]
