@@ -7,7 +7,9 @@ Started by ``benchmarks/precision.py`` with a JSON spec, in a fresh process per 
 belongs to this run alone. Writes ``result.json``: every step's time and loss (the harness's ``StepTimer``), the peak
 memory (on CPU the growth of the process's peak RSS over ``fit``; on CUDA the peak of
 ``torch.cuda.max_memory_allocated`` during ``fit``), and the bytes autograd saved for backward per step (counted with
-saved-tensor hooks: the activations, and apart from them autocast's low-precision weight copies; parameters excluded).
+saved-tensor hooks: the activations, and apart from them autocast's low-precision weight copies; parameters excluded),
+and under ``MixedPrecision("auto")`` what it measured and chose, and how long its measuring took (inside the first
+step, which is a warm-up step: the timer starts before the callback measures).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class SavedBytesCounter(pl.LightningModule):
 
     activation_bytes: list[int]
     weight_copy_bytes: list[int]
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Runs after the callbacks' hook, in which MixedPrecision("auto") times its passes through training_step:
+        # keep one entry per finished step, the step's own.
+        steps = self.trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        del self.activation_bytes[steps:], self.weight_copy_bytes[steps:]
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         params = {p.untyped_storage().data_ptr() for p in self.parameters()}
@@ -129,9 +137,13 @@ def main(spec_path: str) -> None:
     rss_before = peak_rss_bytes()
     trainer.fit(model, train_dataloaders=loader)
     rss_after = peak_rss_bytes()
+    amp = next((c for c in callbacks if isinstance(c, MixedPrecision)), None)
     out: dict[str, Any] = {
         **timer.reading(),
-        "chosen": next((c.chosen for c in callbacks if isinstance(c, MixedPrecision)), "fp32"),
+        "chosen": amp.chosen if amp is not None else "fp32",
+        # auto's measuring, paid once inside the first (warm-up) step: its figures and how long it took
+        "decision": amp.decision.as_dict() if amp is not None and amp.decision is not None else None,
+        "probe_seconds": amp.probe_seconds if amp is not None else None,
         "activation_bytes": model.activation_bytes,
         "weight_copy_bytes": model.weight_copy_bytes,
         "peak_rss_after_bytes": rss_after,

@@ -11,7 +11,7 @@ import pytest
 from benchmarks import harness, precision_ops
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.precision import LABELS, Precision
+from benchmarks.precision import AUTO_TARGET, LABELS, Precision, verdict
 
 
 def _opts(*argv: str) -> argparse.Namespace:
@@ -34,6 +34,7 @@ def test_per_workload_defaults_fill_only_what_is_unset(argv: tuple[str, ...], ex
     meta = Precision().meta(opts)  # completes the per-workload defaults
     assert (opts.steps, opts.warmup, opts.batch_size) == expected
     assert meta["workload"]["model"] == opts.model and meta["accelerator_used"] == "cpu"
+    assert opts.configs == ["fp32", "auto", "bf16"]  # fp16 only on CUDA unless asked for
 
 
 def _gpt_data() -> dict[str, Any]:
@@ -42,6 +43,7 @@ def _gpt_data() -> dict[str, Any]:
     meta["cpu"] = {"machine": "x86_64", "cores": 2, "model": "Test CPU", "flags": ["avx2"]}
     figures = {"fp32": (100.0, 40.0, 8.0, 0.0), "bf16": (200.0, 30.0, 4.0, 1.5)}
     figures.update(fp16=(250.0, 32.0, 4.0, 1.5), auto=(104.0, 40.0, 8.0, 0.0))
+    decision = {"chosen": "fp32", "median_ms": {"fp32": 90.0, "bf16": 180.0}, "noise": {}, "margin": {}, "reason": "-"}
     records = [
         {
             "arm": arm,
@@ -57,6 +59,8 @@ def _gpt_data() -> dict[str, Any]:
             "weight_copy_mb": copies,
             "saved_mb": act + copies,
             "final_loss": 5.0,
+            "decision": decision if arm == "auto" else None,
+            "probe_s": 1.5 if arm == "auto" else None,
         }
         for i, (arm, (ms, peak, act, copies)) in enumerate(figures.items())
     ]
@@ -79,11 +83,28 @@ def test_render_of_a_gpt_result_reports_tokens_per_second_in_gpt_files(tmp_path:
     # 8 windows x 128 tokens = 1024 tokens per step: 10240 tokens/s at 100 ms, 5120 at 200 ms
     assert "| fp32 (no callback) | fp32 | 100.0 | - | 10240 | 40.0 |" in md
     assert '| MixedPrecision("bf16") | bf16 | 200.0 | 2.00 | 5120 | 30.0 | 0.75 |' in md
-    assert "within the target 1.10" in md  # auto (104 ms) against the faster of fp32 (100 ms) and bf16
+    # auto (104 ms) against fp32 (100 ms): within 1.10; its measuring (1.5 s) is 15 fp32 steps
+    assert "auto / fp32 step time (per launch, 1 launches): 1.040; target <= 1.10: met" in md
+    assert "its measuring took 1.50 s once, 15 fp32 steps" in md
+    assert "| 1 | 100.0 | 104.0 | 1.040 | fp32 | fp32 90.00, bf16 180.00 | 1.50 |" in md
     assert "samples/s" not in md and "DigitsClassifier" not in md
 
 
-def test_render_of_the_digits_results_from_before_the_gpt_says_samples_per_second(tmp_path: Path):
+@pytest.mark.parametrize(
+    ("runs", "expected"),
+    [
+        ([0.95, 1.0, 1.05], "met"),
+        ([1.12, 1.2, 1.3], "missed"),
+        ([1.0, 1.08, 1.2], "within noise"),
+        (None, "not measured"),
+    ],
+)
+def test_the_verdict_is_met_only_when_every_launch_meets_the_target(runs, expected):
+    ratio = harness.spread(runs) if runs else None
+    assert verdict(ratio, AUTO_TARGET) == expected
+
+
+def test_render_of_the_digits_results_says_samples_per_second(tmp_path: Path):
     pytest.importorskip("matplotlib")
     source = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "precision.json"
     if not source.exists():

@@ -1,4 +1,4 @@
-"""MixedPrecision on CUDA: what ``auto`` picks, the autocast dtype, the CUDA GradScaler under fp16, and learning."""
+"""MixedPrecision on CUDA: what ``auto`` measures and picks, the autocast dtype, the CUDA GradScaler, and learning."""
 
 from __future__ import annotations
 
@@ -10,28 +10,39 @@ import torch
 from torch.utils.data import DataLoader
 
 from ds_lightning.callbacks import MixedPrecision
-from ds_lightning.callbacks.mixed_precision import choose_auto_precision
+from ds_lightning.callbacks._precision_probe import candidates_for
 from tests.gpu._cuda import BATCH, STEPS, assert_learned, cpu_reference
 from tests.gpu._runs import Net, make_data
 
 pytestmark = pytest.mark.cuda
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class _Probe(Net):
-    """Records, per training step, autocast's state and the dtype a layer returns; can overflow one step."""
+    """Records, per training step, autocast's state and the dtype a layer returns; can overflow one step.
+
+    auto's timing passes call ``training_step`` too; the step's own call is the last before the batch ends.
+    """
 
     def __init__(self, inf_at_step: int | None = None) -> None:
         super().__init__()
         self.inf_at_step = inf_at_step
-        self.seen: list[tuple[bool, torch.dtype, torch.dtype]] = []
+        self.seen: list[tuple[bool, torch.dtype]] = []
+        self._last: tuple[bool, torch.dtype] | None = None
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, _ = batch
-        self.seen.append((torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"), self.net[0](x).dtype))
+        self._last = (torch.is_autocast_enabled("cuda"), self.net[0](x).dtype)
         loss = super().training_step(batch, batch_idx)
         return loss * float("inf") if self.trainer.global_step == self.inf_at_step else loss
+
+    def on_train_batch_start(self, *args: Any) -> None:
+        del self.losses[len(self.seen) :]  # runs after the callbacks' hook: drops the timing passes' losses
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        assert self._last is not None
+        self.seen.append(self._last)
 
 
 def _fit(tmp_path, amp: MixedPrecision, model: _Probe, *more: pl.Callback) -> pl.Trainer:
@@ -54,19 +65,23 @@ def _fit(tmp_path, amp: MixedPrecision, model: _Probe, *more: pl.Callback) -> pl
 def test_mixed_precision_on_cuda_autocasts_in_the_chosen_dtype_and_learns(tmp_path, precision):
     if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip(f"{torch.cuda.get_device_name()} has no native bf16")
-    expected = precision
-    if precision == "auto":
-        native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-        expected, _ = choose_auto_precision("cuda", cuda_bf16=native_bf16)
-        assert expected == ("bf16" if native_bf16 else "fp16")  # a GPU never falls back to fp32
     amp = MixedPrecision(precision, init_scale=1024.0)  # far from fp16's limit: no step of this model overflows
     model = _Probe()
     trainer = _fit(tmp_path, amp, model)
+    expected = precision
+    if precision == "auto":  # what it measured on this GPU: every candidate timed, the same rule applied
+        assert amp.decision is not None
+        device = torch.device("cuda", torch.cuda.current_device())
+        assert set(amp.decision.median_ms) == set(candidates_for(device)) >= {"fp32", "fp16"}
+        expected = amp.decision.chosen
     assert amp.chosen == expected
-    assert trainer.precision_plugin is amp.plugin and amp.plugin.device == "cuda"
-    assert model.seen == [(True, DTYPES[expected], DTYPES[expected])] * STEPS
+    assert model.seen == [(expected != "fp32", DTYPES[expected])] * STEPS
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # the weights stay fp32
-    scaler = amp.plugin.scaler
+    if expected == "fp32":
+        assert amp.plugin is None and type(trainer.precision_plugin).__name__ == "Precision"
+    else:
+        assert trainer.precision_plugin is amp.plugin and amp.plugin.device == "cuda"
+    scaler = amp.plugin.scaler if amp.plugin is not None else None
     if expected == "fp16":
         assert isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled()
         assert scaler._scale is not None and scaler._scale.device.type == "cuda"  # created on the GPU by its use
