@@ -222,6 +222,19 @@ def test_accumulation_and_fp16_callbacks_push_unscaled_windows_and_an_overflow_p
         torch.testing.assert_close(ps["params"][name], value, rtol=0, atol=2e-3)
 
 
+@pytest.mark.multiprocess
+def test_auto_mixed_precision_decides_on_each_worker_without_a_collective_the_server_never_joins(
+    tmp_path: Path,
+) -> None:
+    # Workers step on their own under a parameter server, so auto's timing agreement must not be a collective over
+    # the default group (which a server does not join): each worker decides, and the run ends on every process.
+    spec = {"max_epochs": 1, "n": 32, "batch_size": 8, "amp": {"precision": "auto", "probe_passes": 3}}
+    ps = _run(tmp_path, "ps", {**spec, "strategy_kwargs": {"max_staleness": 0}}, timeout=240)
+    assert ps["rank0"]["global_step"] == ps["rank1"]["global_step"] == 2
+    assert ps["output"].count("MixedPrecision('auto')") >= 1, ps["output"][-3000:]
+    _assert_no_process_left(tmp_path)
+
+
 # Two servers with split tensors train asynchronously in tests/cluster/test_multihost.py, each on its own host.
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("servers", [1])
