@@ -38,7 +38,7 @@ def train(
     path = tmp_path / f"{name}-{expect}.json"
     path.write_text(json.dumps(spec))
     run = launch(path, spec, timeout, warm)
-    assert run.returncode == expect, run.output[-6000:]
+    run.assert_every_rank_exits(expect)
     result: dict[str, Any] = {"output": run.output}
     if expect == 0:
         result.update(json.loads(Path(f"{out}.json").read_text()))
