@@ -1,7 +1,8 @@
 """Fixtures for tests that need a multi-host network-namespace cluster.
 
-Where a cluster can't be built the tests skip with the reason, except in CI running as root: there the machine is
-meant to run them, so a missing requirement fails the test instead of letting CI pass with none of them run.
+Where a cluster can't be built the tests skip with the reason, except where ``DS_LIGHTNING_REQUIRE_CLUSTER=1`` says
+this machine is meant to run them (``.ci/run`` exports it): there a missing requirement fails the test instead of
+letting the suite pass with none of them run. A CI machine that cannot build clusters sets it to 0, in the open.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from ds_lightning.testing.netns import Cluster, missing_requirements
 IPROUTE2 = ("ip", "tc", "ss")
 # Where iproute2 lives when a non-login PATH lacks the sbin folders.
 SYSTEM_DIRS = ("/usr/sbin", "/sbin", "/usr/bin", "/bin")
-_FALSE = ("", "0", "false", "no")
+REQUIRE_CLUSTER = "DS_LIGHTNING_REQUIRE_CLUSTER"  # "1": a cluster test that cannot run fails instead of skipping
 
 
 def default_search_path() -> str:
@@ -42,20 +43,27 @@ def cluster_unavailable(search_path: str | None = None, euid: int | None = None)
     return missing_requirements()
 
 
-def unavailable_action(reason: str | None, environ: Mapping[str, str], euid: int) -> Literal["run", "skip", "fail"]:
-    """What a cluster test does given :func:`cluster_unavailable`'s reason: run, skip, or (CI as root) fail."""
+def unavailable_action(reason: str | None, environ: Mapping[str, str]) -> Literal["run", "skip", "fail"]:
+    """What a cluster test does given :func:`cluster_unavailable`'s reason: run, skip, or (switch on) fail.
+
+    Only the dedicated switch counts: a ``CI`` variable some runners set and others do not decides nothing.
+    """
     if reason is None:
         return "run"
-    in_ci = environ.get("CI", "").strip().lower() not in _FALSE
-    return "fail" if in_ci and euid == 0 else "skip"
+    return "fail" if environ.get(REQUIRE_CLUSTER, "").strip() == "1" else "skip"
 
 
 def require_cluster() -> None:
-    """Skip (or, in CI as root, fail) the calling test when no cluster can be built here, naming the reason."""
+    """Skip (or, with ``DS_LIGHTNING_REQUIRE_CLUSTER=1``, fail) the calling test when no cluster can be built here,
+    naming the reason."""
     reason = cluster_unavailable()
-    action = unavailable_action(reason, os.environ, os.geteuid())
+    action = unavailable_action(reason, os.environ)
     if action == "fail":
-        pytest.fail(f"CI runs as root, so every cluster test must run, but this one cannot: {reason}", pytrace=False)
+        pytest.fail(
+            f"{REQUIRE_CLUSTER}=1 (.ci/run) says every cluster test must run here, but this one cannot: {reason} "
+            f"(set {REQUIRE_CLUSTER}=0 on a machine that cannot build namespace clusters)",
+            pytrace=False,
+        )
     if action == "skip":
         pytest.skip(reason)
 

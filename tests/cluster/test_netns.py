@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -23,7 +24,13 @@ from ds_lightning.testing.netns import (
     netem_available,
 )
 from tests.cluster import conftest as cluster_conftest
-from tests.cluster.conftest import cluster_unavailable, default_search_path, require_cluster, unavailable_action
+from tests.cluster.conftest import (
+    REQUIRE_CLUSTER,
+    cluster_unavailable,
+    default_search_path,
+    require_cluster,
+    unavailable_action,
+)
 
 MakeCluster = Callable[[int], Cluster]
 
@@ -260,7 +267,7 @@ def test_missing_requirements_reports_this_machine() -> None:
     else:
         assert reason is not None and "ip netns add" in reason
     if ip is None:
-        require_cluster()  # skips (fails in CI as root) naming the missing tools: no namespace list to read
+        require_cluster()  # skips (fails with the switch on) naming the missing tools: no namespace list to read
     namespaces = subprocess.run([ip, "netns", "list"], capture_output=True, text=True, timeout=30).stdout
     assert "dsprobe" not in namespaces  # the probe namespace was deleted
 
@@ -290,27 +297,39 @@ def test_cluster_unavailable_names_root_then_each_missing_iproute2_tool(tmp_path
 
 
 @pytest.mark.parametrize(
-    ("reason", "environ", "euid", "action"),
+    ("reason", "environ", "action"),
     [
-        (None, {"CI": "true"}, 0, "run"),
-        ("needs iproute2", {}, 0, "skip"),
-        ("needs iproute2", {"CI": "false"}, 0, "skip"),
-        ("needs root", {"CI": "true"}, 1000, "skip"),  # CI without root: nothing it could run
-        ("needs iproute2", {"CI": "true"}, 0, "fail"),
-        ("`ip netns add` failed", {"CI": "1"}, 0, "fail"),
+        (None, {REQUIRE_CLUSTER: "1"}, "run"),
+        (None, {}, "run"),
+        ("needs iproute2", {}, "skip"),
+        ("needs iproute2", {REQUIRE_CLUSTER: "0"}, "skip"),
+        ("needs iproute2", {"CI": "true"}, "skip"),  # a runner's CI variable decides nothing: only the switch does
+        ("needs iproute2", {REQUIRE_CLUSTER: "1"}, "fail"),
+        ("needs root", {REQUIRE_CLUSTER: "1"}, "fail"),  # the machine was meant to run them: not root is a failure too
+        ("`ip netns add` failed", {REQUIRE_CLUSTER: " 1 ", "CI": ""}, "fail"),
     ],
 )
-def test_unavailable_action_fails_only_in_ci_as_root(reason, environ, euid, action) -> None:
-    assert unavailable_action(reason, environ, euid) == action
+def test_unavailable_action_fails_only_when_the_switch_requires_clusters(reason, environ, action) -> None:
+    assert unavailable_action(reason, environ) == action
 
 
-@pytest.mark.parametrize("ci", ["", "true"])
-def test_a_path_without_ip_skips_with_the_reason_or_fails_in_ci_as_root(tmp_path, monkeypatch, ci) -> None:
+@pytest.mark.parametrize("required", ["", "1"])
+def test_a_path_without_ip_skips_with_the_reason_or_fails_when_required(tmp_path, monkeypatch, required) -> None:
     monkeypatch.setattr(cluster_conftest, "SYSTEM_DIRS", ())
     monkeypatch.setenv("PATH", _tools_dir(tmp_path, "tc", "ss"))
-    monkeypatch.setenv("CI", ci)
-    root = os.geteuid() == 0
-    expected = pytest.fail.Exception if ci and root else pytest.skip.Exception
+    monkeypatch.setenv(REQUIRE_CLUSTER, required)
+    monkeypatch.setenv("CI", "true")  # ignored
+    expected = pytest.fail.Exception if required else pytest.skip.Exception
     with pytest.raises(expected) as outcome:
         cluster_conftest.require_cluster()
-    assert ("ip not found" if root else "needs root") in str(outcome.value)
+    assert ("ip not found" if os.geteuid() == 0 else "needs root") in str(outcome.value)
+    if required:
+        assert f"{REQUIRE_CLUSTER}=1" in str(outcome.value)
+
+
+def test_ci_run_exports_the_switch_before_the_suite() -> None:
+    """``.ci/run`` itself turns a skipped cluster test into a failure: the switch is exported before ``make test``."""
+    script = (Path(__file__).resolve().parents[2] / ".ci" / "run").read_text()
+    export = script.index(f"export {REQUIRE_CLUSTER}=")
+    assert export < script.index("make test"), "export the switch before make test runs the suite"
+    assert f"{REQUIRE_CLUSTER}=${{{REQUIRE_CLUSTER}:-1}}" in script  # on unless the machine opts out in the open

@@ -12,7 +12,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +28,37 @@ __all__ = [
     "Ranks",
     "Run",
     "WarmRanks",
+    "check_budget",
     "ds_train",
     "free_port",
     "quiet_trainer_args",
     "run_module",
     "run_ranks",
+    "set_test_timeout",
     "worker_env",
 ]
+
+# The running test's pytest timeout in seconds (None: none), noted by tests/conftest.py when pytest-timeout arms it.
+_test_timeout_s: float | None = None
+
+
+def set_test_timeout(seconds: float | None) -> None:
+    """Note the running test's pytest timeout (``None`` once it ends), for :func:`check_budget`."""
+    global _test_timeout_s  # one value per running test, set by the conftest hook
+    _test_timeout_s = seconds
+
+
+def check_budget(timeout: float) -> None:
+    """Fail when a run's time budget is not under the running test's pytest timeout.
+
+    pytest-timeout counts from the test's setup, so a budget at or over it never applies: pytest stops the test
+    first and the run's output is lost. The fix is a smaller budget or a larger ``@pytest.mark.timeout``.
+    """
+    if _test_timeout_s is not None and timeout >= _test_timeout_s:
+        raise AssertionError(
+            f"a run budget of timeout={timeout:g} s is not under this test's pytest timeout of {_test_timeout_s:g} s, "
+            f"so it would never apply: lower the budget or raise the test's @pytest.mark.timeout above it"
+        )
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -44,9 +68,23 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 @dataclass
 class Run:
+    """What a launch did: ``returncode`` sums it up (rank 0's code, or the first other rank's failure when rank 0
+    succeeded); ``returncodes`` holds every process's, one per rank (one entry for a single process)."""
+
     returncode: int
     output: str
     seconds: float
+    returncodes: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.returncodes:
+            self.returncodes = [self.returncode]
+
+    def assert_every_rank_exits(self, code: int) -> None:
+        """Every rank exited with ``code``: one rank's code (rank 0's, say) says nothing of the others'."""
+        assert self.returncodes == [code] * len(self.returncodes), (
+            f"expected every rank to exit with {code}, got {self.returncodes}:\n{self.output[-6000:]}"
+        )
 
     def json(self, path: Path) -> dict[str, Any]:
         assert path.exists(), f"{path} was not written; output:\n{self.output[-4000:]}"
@@ -72,6 +110,7 @@ def ds_train(
 
 def run_module(module: str, args: list[str], timeout: float = 180, env: dict[str, str] | None = None) -> Run:
     """Run ``python -m module args`` from the repository root (one thread, a free port) and return what it did."""
+    check_budget(timeout)
     cmd = [sys.executable, "-m", module, *args]
     start = time.monotonic()
     proc = subprocess.run(
@@ -115,10 +154,11 @@ class Ranks:
         return all(proc.poll() is None for proc in self.procs)
 
     def wait(self, timeout: float) -> Run:
-        """Every rank's exit; the code is rank 0's, or the first other rank's failure when rank 0 succeeded.
+        """Every rank's exit (``returncodes``); ``returncode`` is rank 0's, or the first other rank's failure.
 
         Ranks still running after ``timeout`` seconds from the start are killed (their code is then negative).
         """
+        check_budget(timeout)
         deadline = self.start + timeout
         late = False
         try:
@@ -150,7 +190,7 @@ def _ranks_run(codes: list[int], outputs: list[str], late: bool, timeout: float,
     )
     if late:
         text += f"--- killed: still running after {timeout:.0f} s ---\n"
-    return Run(code, text, time.monotonic() - start)
+    return Run(code, text, time.monotonic() - start, list(codes))
 
 
 def run_ranks(module: str, args: list[str], ranks: int, timeout: float = 180, env: dict[str, str] | None = None) -> Run:
@@ -229,6 +269,7 @@ class WarmRanks:
 
     def wait(self, timeout: float) -> Run:
         """The run's exit as :meth:`Ranks.wait` gives it; ranks running ``timeout`` s after the start are killed."""
+        check_budget(timeout)
         late = False
         try:
             for rank in range(self.size):

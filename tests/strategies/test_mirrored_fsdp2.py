@@ -1,16 +1,20 @@
 """ds_mirrored with shard_optimizer_state=True, sharding_engine="fsdp2" (torch's fully_shard instead of DDP) across
 real processes on gloo: the options it refuses, parity with plain ds_mirrored under Adam, state bytes per rank,
-checkpoints in the plain layout that load on one device, and resumes at world size 1 across engines."""
+checkpoints in the plain layout that load on one device, and resumes at world size 1 across engines (against plain
+torch on one process)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.testing import assert_close
+from torch.utils.data import DataLoader, DistributedSampler
 
-from ds_lightning.demos import DigitsClassifier
+from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from ds_lightning.strategies import MirroredStrategy
 from tests.helpers.runner import ds_train
 from tests.helpers.sharding_runs import (
@@ -108,10 +112,37 @@ def test_checkpoint_holds_the_plain_layout_and_loads_on_one_device(runs, tmp_pat
     resume_on_one_device(sharded_ckpt, tmp_path)
 
 
+def torch_second_epoch(checkpoint: Path, adam_state: bool = True) -> dict[str, torch.Tensor]:
+    """The runs' second epoch on one process in plain torch, from ``checkpoint`` (written at the end of epoch 0).
+
+    The checkpoint's weights and (unless ``adam_state=False``) Adam's state, then one Adam step per batch of 32 in the
+    order Lightning's sampler gives one replica in epoch 1 (``DistributedSampler``, the seed 0 of ``seed_everything``).
+    """
+    saved = torch.load(checkpoint, weights_only=True)
+    model = DigitsClassifier(hidden_sizes=(64, 64), optimizer="adam", lr=0.01)
+    model.load_state_dict(saved["state_dict"])
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
+    if adam_state:
+        optimizer.load_state_dict(saved["optimizer_states"][0])
+    data = DigitsDataModule(batch_size=32)
+    data.setup("fit")
+    sampler = DistributedSampler(data.train_set, num_replicas=1, rank=0, shuffle=True, seed=0)
+    sampler.set_epoch(1)
+    for x, y in DataLoader(data.train_set, batch_size=32, sampler=sampler):
+        optimizer.zero_grad()
+        model.pipeline_loss(model(x), y).backward()
+        optimizer.step()
+    assert all(float(state["step"]) == STEPS_PER_EPOCH * adam_state + 45 for state in optimizer.state.values())
+    return model.state_dict()
+
+
 @pytest.mark.multiprocess
 def test_resumes_at_world_size_1_across_engines(runs, tmp_path):
-    """fsdp2 resumes plain ds_mirrored's checkpoint, and the zero engine fsdp2's, on one rank: the same training."""
-    arms = {"fsdp2": (epoch_checkpoint(runs / "plain"), [FSDP2]), "zero": (epoch_checkpoint(runs / "fsdp2"), [])}
+    """fsdp2 resumes plain ds_mirrored's checkpoint, and the zero engine fsdp2's, on one rank: each ends where the same
+    epoch in plain torch on one process ends. The control: that epoch without the checkpoint's Adam state ends far from
+    it, so the comparison sees whether the optimizer state came back."""
+    plain_checkpoint = epoch_checkpoint(runs / "plain")
+    arms = {"fsdp2": (plain_checkpoint, [FSDP2]), "zero": (epoch_checkpoint(runs / "fsdp2"), [])}
     for name, (checkpoint, extra) in arms.items():
         out = tmp_path / name / "params"
         args = [*fit_args(tmp_path / name, out, 2, True, extra), "--trainer.devices=1", f"--ckpt_path={checkpoint}"]
@@ -119,10 +150,15 @@ def test_resumes_at_world_size_1_across_engines(runs, tmp_path):
     fsdp2, zero = params(tmp_path / "fsdp2" / "params", 0), params(tmp_path / "zero" / "params", 0)
     assert fsdp2["world_size"] == zero["world_size"] == 1
     assert fsdp2["global_step"] == zero["global_step"] == STEPS_PER_EPOCH + 45  # the second epoch on one rank
-    for name, value in zero["state_dict"].items():
-        assert_close(fsdp2["state_dict"][name], value, atol=1e-5, rtol=1e-5)
     whole = record(runs / "plain" / "params", 0)["state_bytes"]
     assert record(tmp_path / "fsdp2" / "params", 0)["state_bytes"] == whole  # one rank holds all of it
+    reference = torch_second_epoch(plain_checkpoint)  # measured: both arms within 2e-7 of it
+    for arm in (fsdp2, zero):
+        assert arm["state_dict"].keys() == reference.keys()
+        for name, value in reference.items():
+            assert_close(arm["state_dict"][name], value, atol=1e-5, rtol=1e-5)
+    control = torch_second_epoch(plain_checkpoint, adam_state=False)  # measured: up to 0.19 away
+    assert max((control[name] - value).abs().max().item() for name, value in reference.items()) > 1e-2
 
 
 @pytest.mark.multiprocess

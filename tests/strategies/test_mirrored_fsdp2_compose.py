@@ -23,7 +23,7 @@ STEPS = 16  # per epoch: 256 samples, batches of 8, 2 ranks
 
 
 def launch(out: Path, suite: str) -> Path:
-    run = run_ranks("tests.helpers.fsdp2_compose", [str(out), suite], 2, timeout=420)
+    run = run_ranks("tests.helpers.fsdp2_compose", [str(out), suite], 2, timeout=280)  # under pytest's 300 s
     assert run.returncode == 0, run.output[-6000:]
     return out
 
