@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 from torch.testing import assert_close
 
 from ds_lightning.comm import GradientCompressor
-from ds_lightning.comm.powersgd import PowerSGDState
+from ds_lightning.comm.compression.powersgd import PowerSGDState
 from tests.helpers import dist_workers
 from tests.helpers.runner import free_port
 
