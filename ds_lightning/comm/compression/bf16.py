@@ -15,4 +15,4 @@ class BF16(HalfWidth):
 
     name = "bf16"
     wire_dtype = torch.bfloat16
-    hook = half_width_hook(default_hooks.bf16_compress_wrapper)
+    hook = half_width_hook(default_hooks.bf16_compress_wrapper, "_bf16_hook")

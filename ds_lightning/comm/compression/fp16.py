@@ -15,5 +15,5 @@ class FP16(HalfWidth):
 
     name = "fp16"
     wire_dtype = torch.float16
-    hook = half_width_hook(default_hooks.fp16_compress_wrapper)
+    hook = half_width_hook(default_hooks.fp16_compress_wrapper, "_fp16_hook")
     auto_candidate = True

@@ -17,17 +17,18 @@ from ds_lightning.comm.wire import WireLog
 __all__ = ["HalfWidth", "half_width_hook"]
 
 
-def half_width_hook(wrapper: Callable[[Hook], Hook]) -> Hook:
+def half_width_hook(wrapper: Callable[[Hook], Hook], name: str) -> Hook:
     """The logged all-reduce inside torch's cast ``wrapper`` (``fp16_compress_wrapper``, ``bf16_compress_wrapper``).
 
     The wrapper casts the bucket's buffer and hands the cast bucket to the logged all-reduce: the log sees the cast
-    tensor.
+    tensor. ``name`` is the hook's ``__name__``, which is what DDP and the logs show.
     """
     wrapped = wrapper(logged_allreduce_hook)
 
     def hook(state: PlainState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         return wrapped(state, bucket)
 
+    hook.__name__ = hook.__qualname__ = name
     return hook
 
 
