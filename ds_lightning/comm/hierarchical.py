@@ -2,8 +2,9 @@
 
 Each bucket is summed onto one process per host (the host's leader) with ``reduce`` on the host's group, the leaders
 all-reduce the host sums with one another (compressed, when a compression is set: only this stage crosses hosts), and
-each leader broadcasts the mean back inside its host. Only the leaders' all-reduce uses the slow inter-host links, and
-it carries one gradient per host instead of one per process.
+each leader broadcasts the mean back inside its host. Only the leaders' all-reduce uses the slow inter-host links,
+and it carries one gradient per host instead of one per process. The leaders' stage is the compression method's
+(:meth:`~ds_lightning.comm.compression.base.Compression.inter_host`): :class:`CastStage` for the dense ones.
 
 The host layout comes from the cluster environment's node rank (``TF_CONFIG``'s task, torchrun's ``GROUP_RANK``,
 Lightning's ``NODE_RANK``), gathered once from every rank, so hosts may run different numbers of processes.
@@ -12,7 +13,7 @@ Lightning's ``NODE_RANK``), gathered once from every rank, so hosts may run diff
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
@@ -20,12 +21,12 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
-from ds_lightning.comm.powersgd import PowerSGDState, powersgd_hook
 from ds_lightning.comm.wire import WireLog
 
 log = logging.getLogger(__name__)
 
 __all__ = [
+    "CastStage",
     "HierarchicalSetting",
     "HierarchicalState",
     "HostGroups",
@@ -181,21 +182,46 @@ def host_groups(
 
 
 @dataclass
+class CastStage:
+    """The leaders' stage of a dense method: the host sums, divided by the world size, all-reduced at ``dtype``.
+
+    Attributes:
+        leaders: the leaders' group (``None`` on other ranks, which never run the stage).
+        wire: what this rank sent across hosts, per step.
+        dtype: the dtype sent (``torch.float16``/``bfloat16``), or ``None`` for the gradient's own.
+
+    """
+
+    leaders: dist.ProcessGroup | None
+    wire: WireLog
+    dtype: torch.dtype | None = None
+
+    def __call__(self, bucket: dist.GradBucket, groups: "HostGroups") -> None:
+        """Turn the host's gradient sum in the bucket into the mean over every rank of the run."""
+        buffer = bucket.buffer()
+        buffer.div_(groups.layout.world_size)  # before a half-width cast, so sums cannot overflow it
+        send = buffer if self.dtype is None else buffer.to(self.dtype)
+        self.wire.record(send)
+        dist.all_reduce(send, group=self.leaders)
+        if send is not buffer:
+            buffer.copy_(send)
+
+
+@dataclass
 class HierarchicalState:
     """State of :func:`hierarchical_hook`.
 
     Attributes:
         groups: this rank's host and leader groups.
         wire: what this rank sent across hosts (nothing on non-leaders), per step.
-        cast: dtype of the inter-host stage (``torch.float16``/``bfloat16``), or ``None`` for full width.
-        powersgd: PowerSGD's state on the leaders' group, when the inter-host stage is PowerSGD.
+        inter_host: on a leader, turns the host's gradient sum in a bucket into the mean over every rank of the run
+            (the compression method's stage).
 
     """
 
     groups: HostGroups
     wire: WireLog
-    cast: torch.dtype | None = None
-    powersgd: PowerSGDState | None = None
+    inter_host: Callable[[dist.GradBucket, HostGroups], None]
 
 
 def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
@@ -204,35 +230,19 @@ def _completed(tensor: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
     return future
 
 
-def _inter_host(state: HierarchicalState, bucket: dist.GradBucket) -> None:
-    """On a leader: turn the host's gradient sum in the bucket into the mean over every rank of the run."""
-    groups, buffer = state.groups, bucket.buffer()
-    world = groups.layout.world_size
-    if state.powersgd is not None:
-        powersgd_hook(state.powersgd, bucket)  # mean over leaders of the host sums, closes the step at the last bucket
-        buffer.mul_(len(groups.layout.hosts) / world)
-        return
-    buffer.div_(world)  # before a half-width cast, so sums cannot overflow it
-    send = buffer if state.cast is None else buffer.to(state.cast)
-    state.wire.record(send)
-    dist.all_reduce(send, group=groups.leaders)
-    if send is not buffer:
-        buffer.copy_(send)
-
-
 def hierarchical_hook(state: HierarchicalState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP comm hook: reduce the bucket onto the host's leader, all-reduce among leaders, broadcast inside the host.
 
     Every collective is issued synchronously from the hook's own thread, in bucket order, so all ranks issue them in
-    the same order (see :mod:`ds_lightning.comm.powersgd` for why callbacks on gloo's threads would not).
+    the same order (see :mod:`ds_lightning.comm.compression.powersgd` for why callbacks on gloo's threads would not).
     """
     groups, buffer = state.groups, bucket.buffer()
     if groups.host_size > 1:
         dist.reduce(buffer, dst=groups.leader, group=groups.host)
     if groups.is_leader:
-        _inter_host(state, bucket)
+        state.inter_host(bucket, groups)
     if groups.host_size > 1:
         dist.broadcast(buffer, src=groups.leader, group=groups.host)
-    if bucket.is_last() and not (groups.is_leader and state.powersgd is not None):
+    if bucket.is_last():
         state.wire.end_step()
     return _completed(buffer)

@@ -50,7 +50,7 @@ class ServerClient:
         worker: this worker's rank (and index).
         num_workers: the number of workers; server ``s`` has rank ``num_workers + s``.
         plan: the shard plan.
-        compression: push compression, ``"none"``, ``"fp16"``, ``"bf16"`` or ``"topk"``.
+        compression: the push compression (``gradient_compression``), a method that serves pushes.
         topk_ratio: the fraction top-k sends.
         addresses: how to name each server in errors (host of its task).
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Literal
 
 from ds_lightning import _validation as check
-from ds_lightning.parameter_server.push_compression import PUSH_COMPRESSIONS
+from ds_lightning.comm.compression import get
+from ds_lightning.comm.compression.none import NO_COMPRESSION
 
 StalenessLR = Literal["none", "inverse"]
 
@@ -15,7 +17,7 @@ def check_options(
     max_staleness: object,
     staleness_lr: object,
     push_every: object,
-    compression: object,
+    gradient_compression: object,
     topk_ratio: object,
     max_updates: object,
     min_shard_bytes: object,
@@ -35,10 +37,33 @@ def check_options(
     )
     check.choice("staleness_lr", staleness_lr, ("none", "inverse"))
     check.integer("push_every", push_every, 1, f"{example}(push_every=1)")
-    check.choice("compression", compression, PUSH_COMPRESSIONS)
+    get(gradient_compression, use="push")
     check.number("topk_ratio", topk_ratio, f"{example}(topk_ratio=0.01)", above=0, at_most=1)
     check.optional_integer("max_updates", max_updates, 1, f"{example}(max_updates=1000)", "None: no budget")
     check.integer("min_shard_bytes", min_shard_bytes, 1, f"{example}(min_shard_bytes=262144)")
+
+
+def gradient_compression_option(gradient_compression: str, compression: str | None) -> str:
+    """The push compression from the option and its deprecated name ``compression``, with a warning for the latter.
+
+    Raises:
+        ValueError: when both are set to different values.
+
+    """
+    if compression is None:
+        return gradient_compression
+    warnings.warn(
+        f"ds_parameter_server's compression={compression!r} is deprecated: write"
+        f" gradient_compression={compression!r}, the option ds_mirrored takes too.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if gradient_compression not in (compression, NO_COMPRESSION):
+        raise ValueError(
+            f"compression={compression!r} and gradient_compression={gradient_compression!r} both set the push"
+            " compression: keep only gradient_compression."
+        )
+    return compression
 
 
 def check_no_validation_under_budget(max_updates: int | None, trainer: Any) -> None:

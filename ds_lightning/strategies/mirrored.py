@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.comm.auto import AutoState
-from ds_lightning.comm.compression import COMPRESSIONS, CompressionName, GradientCompressor
+from ds_lightning.comm.compression import GradientCompressor, get
 from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
 from ds_lightning.data.eval_shards import uneven_batch_counts
 from ds_lightning.data.even_batches import even_batches
@@ -47,7 +47,6 @@ log = logging.getLogger(__name__)
 __all__ = ["MirroredStrategy"]
 
 _CHECKPOINT_KEY = "ds_mirrored"
-_STATEFUL = ("powersgd", "auto")  # compressions whose per-rank state the checkpoint carries
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|pair closure|connection closed|connection reset", re.IGNORECASE)
 
 
@@ -78,10 +77,11 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             ``timedelta``; ``None`` means torch's default (30 minutes).
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``/``"forkserver"``
             use multiprocessing (like ``ddp_spawn``).
-        gradient_compression: how gradients cross the wire: ``"none"`` (DDP's all-reduce), ``"fp16"`` or ``"bf16"``
-            (half-width all-reduce), ``"powersgd"`` (low-rank PowerSGD with error feedback, checkpointed) or
-            ``"auto"`` (probe the link at set-up and every ``auto_interval`` steps and run whichever of ``none``,
-            ``fp16`` and ``powersgd`` a cost model predicts fastest; the choice and its figures are logged).
+        gradient_compression: how gradients cross the wire, a method of :mod:`ds_lightning.comm.compression`:
+            ``"none"`` (DDP's all-reduce), ``"fp16"`` or ``"bf16"`` (half-width all-reduce), ``"powersgd"`` (low-rank
+            PowerSGD with error feedback, checkpointed) or ``"auto"`` (probe the link at set-up and every
+            ``auto_interval`` steps and run whichever of ``none``, ``fp16`` and ``powersgd`` a cost model predicts
+            fastest; the choice and its figures are logged). ``"topk"`` serves parameter-server pushes only.
         powersgd_rank: PowerSGD's approximation rank; higher is more accurate and sends more bytes. Under ``"auto"``
             PowerSGD runs at exactly this rank: auto never lowers it, so set the lowest rank your model tolerates.
         powersgd_start_iter: plain all-reduce steps before PowerSGD starts (under ``"auto"``: before it may be
@@ -133,7 +133,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         timeout: float | timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
         *,
-        gradient_compression: CompressionName = "none",
+        gradient_compression: str = "none",
         powersgd_rank: int = 2,
         powersgd_start_iter: int = 10,
         auto_interval: int = 500,
@@ -147,7 +147,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         hierarchical: HierarchicalSetting = "auto",
         **kwargs: Any,
     ) -> None:
-        check.choice("gradient_compression", gradient_compression, COMPRESSIONS)
+        method = get(gradient_compression, use="all_reduce")
         check_sharding_engine(
             sharding_engine,
             shard_optimizer_state,
@@ -157,7 +157,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             model_averaging_period=model_averaging_period,
         )
         check_sharding_options(shard_optimizer_state, model_averaging_period)
-        if ddp_comm_hook is not None and gradient_compression != "none":
+        if ddp_comm_hook is not None and not method.builtin:
             raise ValueError(
                 f"ddp_comm_hook={ddp_comm_hook!r} and gradient_compression={gradient_compression!r} both decide how"
                 " gradients are all-reduced, and DDP runs one comm hook: leave gradient_compression='none' to run"
@@ -165,11 +165,8 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             )
         if not (isinstance(hierarchical, bool) or hierarchical == "auto"):
             raise ValueError(f"hierarchical={hierarchical!r} is not a choice: use True, False or 'auto'.")
-        if gradient_compression == "auto" and hierarchical is True:
-            raise ValueError(
-                "gradient_compression='auto' does not yet drive the two-level all-reduce that hierarchical=True asks"
-                " for: set hierarchical=False (or 'auto', flat on one host) or pick a fixed gradient_compression."
-            )
+        if hierarchical is True:
+            method.require("two_level")
         if ddp_comm_hook is not None and hierarchical is True:
             raise ValueError(
                 f"hierarchical=True runs ds_mirrored's own two-level comm hook, but ddp_comm_hook={ddp_comm_hook!r}"
@@ -237,9 +234,12 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         # Lightning registers comm hooks on CUDA only; ours must work on gloo too.
         assert isinstance(self.model, DistributedDataParallel)
         setting = self.hierarchical
-        if self.gradient_compression == "auto" and setting == "auto":
-            # Auto compression drives the flat all-reduce only; hierarchical=True with it is refused at construction.
-            rank_zero_info("ds_mirrored: gradient_compression='auto' runs the flat all-reduce (no two levels).")
+        if setting == "auto" and "two_level" not in self._compressor.method.uses:
+            # The method drives the flat all-reduce only; hierarchical=True with it is refused at construction.
+            rank_zero_info(
+                f"ds_mirrored: gradient_compression={self.gradient_compression!r} runs the flat all-reduce (no two"
+                " levels)."
+            )
             setting = False
         hosts = host_groups(setting, self.node_rank, self.root_device, self._timeout)
         self._compressor.register(self.model, weighted=self._train_loader_factory is not None, hosts=hosts)
@@ -354,7 +354,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.gradient_compression in _STATEFUL and dist.is_available() and dist.is_initialized():
+        if self._compressor.method.checkpointed and dist.is_available() and dist.is_initialized():
             # Error feedback differs per rank: gather every rank's state into the one consolidated file.
             states: list[Any] = [None] * self.world_size
             dist.all_gather_object(states, self._compressor.state_dict())
@@ -373,7 +373,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             load_sharded_states(self.optimizers, checkpoint["optimizer_states"])
         else:
             super().load_optimizer_state_dict(checkpoint)
-        if self.gradient_compression not in _STATEFUL:
+        if not self._compressor.method.checkpointed:
             return
         saved = checkpoint.get(_CHECKPOINT_KEY)
         if saved is None or saved.get("gradient_compression") != self.gradient_compression:

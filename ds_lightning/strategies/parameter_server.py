@@ -44,8 +44,12 @@ from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.collectives import LiveWorkerCollectives
 from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher
 from ds_lightning.parameter_server.optimizer_shard import check_server_optimizer, check_trainable_model
-from ds_lightning.parameter_server.options import StalenessLR, check_no_validation_under_budget, check_options
-from ds_lightning.parameter_server.push_compression import PushCompressionName
+from ds_lightning.parameter_server.options import (
+    StalenessLR,
+    check_no_validation_under_budget,
+    check_options,
+    gradient_compression_option,
+)
 from ds_lightning.parameter_server.server_process import serve_shard
 from ds_lightning.parameter_server.sharding import ParameterShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
@@ -90,11 +94,13 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
             the numerics of ``ds_mirrored``).
         staleness_lr: ``"inverse"`` divides the learning rate of a gradient that is ``s`` updates stale by ``s``.
         push_every: average this many steps' gradients locally before one push (parameters are pulled after it).
-        compression: ``"none"``, ``"fp16"``, ``"bf16"`` or ``"topk"`` (with error feedback) for pushes.
+        gradient_compression: how pushes travel (the option ``ds_mirrored`` takes too): ``"none"``, ``"fp16"``,
+            ``"bf16"`` or ``"topk"`` (with error feedback); all-reduce methods (``"powersgd"``, ``"auto"``) are refused.
         topk_ratio: fraction of entries ``"topk"`` sends.
         max_updates: a global budget: stop every worker once the servers applied this many updates (fast workers do
             more of them). ``None``: each worker runs its own ``max_epochs``/``max_steps``.
         min_shard_bytes: a parameter is split across servers only into pieces of at least this size.
+        compression: deprecated name of ``gradient_compression`` (warns with a ``DeprecationWarning``).
 
     Raises:
         ValueError: for an invalid option, naming the value and the fix.
@@ -126,13 +132,15 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         max_staleness: int | None = None,
         staleness_lr: StalenessLR = "none",
         push_every: int = 1,
-        compression: PushCompressionName = "none",
+        gradient_compression: str = "none",
         topk_ratio: float = 0.01,
         max_updates: int | None = None,
         min_shard_bytes: int = 256 * 1024,
+        compression: str | None = None,
     ) -> None:
+        push = gradient_compression_option(gradient_compression, compression)
         check_options(
-            num_servers, max_staleness, staleness_lr, push_every, compression, topk_ratio, max_updates, min_shard_bytes
+            num_servers, max_staleness, staleness_lr, push_every, push, topk_ratio, max_updates, min_shard_bytes
         )
         if start_method != "popen":
             raise ValueError(
@@ -159,7 +167,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         self.max_staleness = max_staleness
         self.staleness_lr = staleness_lr
         self.push_every = push_every
-        self.compression = compression
+        self.gradient_compression = push
         self.topk_ratio = float(topk_ratio)
         self.max_updates = max_updates
         self.min_shard_bytes = min_shard_bytes
@@ -297,16 +305,16 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
             self._route_metric_syncs()
         handle_sigterm_locally(trainer)
         addresses = [f"{h}:{p}" for h, p in self.tf_config.cluster["ps"]] if self.tf_config else None
-        self._client = ServerClient(
-            self._pg, self.global_rank, self.num_workers, self._plan, self.compression, self.topk_ratio, addresses
-        )
+        client_args = (self._pg, self.global_rank, self.num_workers, self._plan)
+        self._client = ServerClient(*client_args, self.gradient_compression, self.topk_ratio, addresses)
         self._step = WorkerStep(self._client, self._params, self.push_every)
         self._finished, self._final_state = False, None
         if self.is_global_zero:
             sizes = [f"{b / 2**20:.2f} MiB" for b in self._plan.bytes_per_server()]
             rank_zero_info(
                 f"ds_parameter_server: {self.num_workers} worker(s), {self.num_servers} server(s) holding {sizes};"
-                f" max_staleness={self.max_staleness}, compression={self.compression}, push_every={self.push_every}"
+                f" max_staleness={self.max_staleness}, gradient_compression={self.gradient_compression},"
+                f" push_every={self.push_every}"
             )
 
     @override

@@ -6,15 +6,25 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ds_lightning.comm import GradientCompressor
+from ds_lightning.comm import CompressionOptions, GradientCompressor
 from ds_lightning.comm.auto import AllReduceFit, LinkFigures, Workload, choose, fit_line
-from ds_lightning.comm.auto.model import comm_seconds, powersgd_numel
+from ds_lightning.comm.compression import get
+from ds_lightning.comm.compression.powersgd import PowerSGD
 from tests.comm.wire_workers import expected_powersgd_bytes
 from tests.helpers import auto_workers
 from tests.helpers.runner import free_port
 
+
+def _work(gradient_bytes: int, powersgd_bytes: int, buckets: int) -> Workload:
+    """What a step sends: the gradient under none, half of it under fp16, ``powersgd_bytes`` under PowerSGD."""
+    sent = {"none": gradient_bytes, "fp16": gradient_bytes / 2, "powersgd": powersgd_bytes}
+    return Workload(gradient_bytes, sent, buckets)
+
+
 # A 10M-parameter MLP's gradient (40 MB) and PowerSGD rank 4's share of it, over two ranks.
-WORK = Workload(gradient_bytes=40_000_000, powersgd_bytes=400_000, buckets=2)
+WORK = _work(gradient_bytes=40_000_000, powersgd_bytes=400_000, buckets=2)
+EVERY = ("none", "fp16", "powersgd")
+NO_POWERSGD = ("none", "fp16")  # PowerSGD's warm-up not over
 COMPUTE = {"fp16": 0.004, "powersgd": 0.02}
 
 
@@ -42,53 +52,57 @@ def test_ring_formula():
 
 @pytest.mark.parametrize(("link", "expected"), [(LOOPBACK, "none"), (GBIT_1, "powersgd"), (MBIT_100, "powersgd")])
 def test_the_fastest_predicted_candidate_wins(link, expected):
-    made = choose(link, WORK, current="none", step_s=0.05, powersgd_allowed=True)
+    made = choose(link, WORK, current="none", step_s=0.05, allowed=EVERY)
     assert made.name == expected, made
     assert set(made.predicted_s) == {"none", "fp16", "powersgd"}
     assert made.predicted_s[expected] == min(made.predicted_s.values())
 
 
 def test_powersgd_waits_for_its_warm_up_and_fp16_stands_in():
-    early = choose(MBIT_100, WORK, current="none", step_s=None, powersgd_allowed=False)
+    early = choose(MBIT_100, WORK, current="none", step_s=None, allowed=NO_POWERSGD)
     assert early.name == "fp16" and "powersgd" not in early.predicted_s
-    later = choose(MBIT_100, WORK, current="fp16", step_s=1.8, powersgd_allowed=True)
+    later = choose(MBIT_100, WORK, current="fp16", step_s=1.8, allowed=EVERY)
     assert later.name == "powersgd"
 
 
 def test_compute_is_the_step_minus_the_running_choices_communication():
     step_s = 4.0
-    made = choose(MBIT_100, WORK, current="none", step_s=step_s, powersgd_allowed=True)
-    assert made.compute_s == pytest.approx(step_s - comm_seconds("none", MBIT_100, WORK))
+    made = choose(MBIT_100, WORK, current="none", step_s=step_s, allowed=EVERY)
+    assert made.compute_s == pytest.approx(step_s - get("none").comm_seconds(MBIT_100, WORK))
     assert made.predicted_s["none"] == pytest.approx(step_s)
 
 
 def test_compression_must_save_the_margin_and_none_returns_when_it_does_not():
     # A tiny model on a fast link: fp16 saves a sliver of a long step, under the margin: none stays, and a running
     # compression gives way to none as soon as the link no longer pays for it.
-    tiny = Workload(gradient_bytes=40_000, powersgd_bytes=4_000, buckets=1)
+    tiny = _work(gradient_bytes=40_000, powersgd_bytes=4_000, buckets=1)
     fast = LinkFigures(2, AllReduceFit(20e-6, 3e9), AllReduceFit(20e-6, 1e10), {"fp16": 0.0, "powersgd": 0.0})
-    made = choose(fast, tiny, current="none", step_s=0.02, powersgd_allowed=True)
+    made = choose(fast, tiny, current="none", step_s=0.02, allowed=EVERY)
     assert made.name == "none" and made.predicted_s["fp16"] < made.predicted_s["none"], made
-    assert choose(fast, tiny, current="powersgd", step_s=0.02, powersgd_allowed=True).name == "none"
+    assert choose(fast, tiny, current="powersgd", step_s=0.02, allowed=EVERY).name == "none"
 
 
 def test_between_compressions_the_current_one_stays_unless_another_saves_the_margin():
     # Slow link: both compressions save most of the step; PowerSGD is a little faster than fp16, not by the margin.
     link = LinkFigures(2, AllReduceFit(1e-4, 1e7), AllReduceFit(1e-4, 1e7), {"fp16": 0.0, "powersgd": 0.0})
-    work = Workload(gradient_bytes=1_000_000, powersgd_bytes=490_000, buckets=1)
-    made = choose(link, work, current="fp16", step_s=None, powersgd_allowed=True)
+    work = _work(gradient_bytes=1_000_000, powersgd_bytes=490_000, buckets=1)
+    made = choose(link, work, current="fp16", step_s=None, allowed=EVERY)
     assert made.predicted_s["powersgd"] < made.predicted_s["fp16"] and made.name == "fp16", made
-    assert choose(link, work, current="none", step_s=None, powersgd_allowed=True).name == "powersgd"
+    assert choose(link, work, current="none", step_s=None, allowed=EVERY).name == "powersgd"
 
 
 def test_the_users_rank_is_a_floor_auto_never_lowers():
     # Bytes are costed at exactly the rank given; a higher rank costs more and a lower one is not a candidate.
     shapes = [(256, 64), (256,), (10, 256)]
-    assert powersgd_numel(shapes, 16, 2.0) == (256 + 64) * 16 + 256 + 10 * 256
-    assert powersgd_numel(shapes, 4, 2.0) == (256 + 64) * 4 + 256 + (10 + 256) * 4
+
+    def sent(shapes: list[tuple[int, ...]], rank: int) -> float:
+        return PowerSGD(CompressionOptions(powersgd_rank=rank)).sent_bytes(shapes)
+
+    assert sent(shapes, 16) == 4 * ((256 + 64) * 16 + 256 + 10 * 256)
+    assert sent(shapes, 4) == 4 * ((256 + 64) * 4 + 256 + (10 + 256) * 4)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Linear(256, 10))
     params = [tuple(p.shape) for p in model.parameters()]
-    assert 4 * powersgd_numel(params, 2, 2.0) == expected_powersgd_bytes(model, rank=2)
+    assert sent(params, 2) == expected_powersgd_bytes(model, rank=2)
 
 
 def test_fit_line_recovers_latency_and_bandwidth():

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 from torch.testing import assert_close
 
 from ds_lightning.comm import GradientCompressor
-from ds_lightning.comm.powersgd import PowerSGDState
+from ds_lightning.comm.compression.powersgd import PowerSGDState
 from tests.helpers import dist_workers
 from tests.helpers.runner import free_port
 
@@ -58,3 +58,42 @@ def test_state_for_another_setting_is_refused():
     compressor = GradientCompressor("fp16")
     with pytest.raises(ValueError, match="saved for 'powersgd'"):
         compressor.load_state_dict({"name": "powersgd"})
+
+
+def test_states_in_the_checkpoint_format_of_earlier_releases_still_load(tmp_path):
+    """The per-rank entries of ``checkpoint["ds_mirrored"]["compression_states"]`` as earlier releases wrote them:
+    PowerSGD's keys at the top level, auto's PowerSGD memory under ``"powersgd"``. Both restore into today's methods."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    error, q = torch.randn(16, 8), torch.randn(8, 2)
+    powersgd = {"name": "powersgd", "iter": 7, "error": {0: error}, "q_memory": {0: q}}
+    figures = {
+        "world_size": 1,
+        "float32": {"latency_s": 1e-5, "bandwidth": 1e9},
+        "float16": {"latency_s": 1e-5, "bandwidth": 5e8},
+        "compress_s": {"fp16": 1e-4, "powersgd": 2e-3},
+    }
+    memory = {k: v for k, v in powersgd.items() if k != "name"}
+    auto = {"name": "auto", "choice": "fp16", "step": 6, "figures": figures, "powersgd": memory}
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        compressors = {}
+        for name, saved in (("powersgd", powersgd), ("auto", auto)):
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)))
+            compressor = GradientCompressor(name, powersgd_start_iter=10)
+            compressor.register(model)
+            path = tmp_path / f"{name}.pt"
+            torch.save(saved, path)
+            compressor.load_state_dict(torch.load(path, weights_only=True))
+            compressors[name] = compressor
+    finally:
+        dist.destroy_process_group()
+    state = compressors["powersgd"].method.state
+    assert state.iter == 7 and torch.equal(state.error[0], error) and torch.equal(state.q_memory[0], q)
+    restored = compressors["auto"].auto
+    assert restored.choice == "fp16" and restored.step == 6 and restored.figures.float16.bandwidth == 5e8
+    memory = compressors["auto"].state_dict()["powersgd"]
+    assert memory["iter"] == 7 and torch.equal(memory["error"][0], error) and torch.equal(memory["q_memory"][0], q)
+    assert compressors["auto"].state_dict().keys() == {"name", "choice", "step", "figures", "powersgd"}

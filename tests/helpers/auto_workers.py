@@ -9,6 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ds_lightning.comm import GradientCompressor
 from ds_lightning.comm.auto import AllReduceFit, LinkFigures, compression_compute, probe_link
+from ds_lightning.comm.compression import CompressionOptions, auto_candidates
 from tests.helpers.dist_workers import _init
 
 SLOW = LinkFigures(2, AllReduceFit(1e-4, 1e6), AllReduceFit(1e-4, 1e6), {"fp16": 0.0, "powersgd": 0.0})
@@ -29,7 +30,9 @@ def probe_then_switch(rank: int, world: int, port: int, out: str) -> None:
 
 def _probe_figures() -> dict:
     """This rank's compression compute, and two probes of the loopback link."""
-    compute = compression_compute(10_000, [(100, 100, 2)], torch.device("cpu"))
+    cpu, options = torch.device("cpu"), CompressionOptions(powersgd_rank=2)
+    probes = {m.name: m(options).compute_probe([(100, 100)], cpu) for m in auto_candidates()}  # one 100 x 100 matrix
+    compute = compression_compute({name: probe for name, probe in probes.items() if probe is not None}, cpu)
     figures = [probe_link(None, torch.device("cpu"), compute).as_dict() for _ in range(2)]
     return {"figures": figures, "local_compute": compute}
 

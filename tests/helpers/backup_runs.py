@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ds_lightning
 from ds_lightning.callbacks import BackupAndRestore, GradientAccumulation, LRScaling
+from tests.helpers.callbacks import RecordOptimizerState
 
 FEATURES, CLASSES = 12, 3
 DIED = 17  # the exit code of a rank killed by die_at_step
@@ -116,6 +117,8 @@ def main(spec_path: str) -> None:
     if spec.get("lr_scaling"):
         callbacks.append(LRScaling(base_batch_size=spec["global_batch"] // 2))
     callbacks.append(BackupAndRestore(spec["backup_dir"], **spec.get("backup", {})))
+    if spec.get("record_optimizer_state"):  # each rank's own optimizer-state bytes: shards under sharding
+        callbacks.append(RecordOptimizerState(f"{out}.optimizer"))
     name = spec.get("strategy", "ds_mirrored")
     strategy: Any = name
     if name == "ds_parameter_server":

@@ -272,3 +272,23 @@ class RecordGradientSync(Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(self.calls))
+
+
+class SlowLink(Callback):
+    """A test-side seam for ``gradient_compression="auto"``: from the start of training, every decision uses the
+    figures of a slow link (latency 100 us, ``bandwidth`` bytes/s) instead of the loopback probe's, so auto picks a
+    compression. Every rank writes the choice and step count it starts training with to ``{path}.rank{R}.json``
+    (after a resume: what the checkpoint restored)."""
+
+    def __init__(self, path: str, bandwidth: float = 1e5) -> None:
+        self.path = path
+        self.bandwidth = bandwidth
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        from ds_lightning.comm.auto import AllReduceFit, LinkFigures
+
+        auto = trainer.strategy.auto_compression
+        link = AllReduceFit(latency_s=1e-4, bandwidth=self.bandwidth)
+        auto.override = LinkFigures(trainer.world_size, link, link, {})
+        record = {"choice": auto.choice, "step": auto.step}
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))

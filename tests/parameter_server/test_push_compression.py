@@ -155,7 +155,7 @@ def test_state_dict_is_a_copy():
 
 
 def test_residual_for_a_compressor_without_one_is_refused():
-    with pytest.raises(ValueError, match="push_compression='fp16' with error_feedback=True keeps none"):
+    with pytest.raises(ValueError, match="gradient_compression='fp16' with error_feedback=True keeps none"):
         PushCompressor("fp16").load_state_dict({"residual": torch.ones(3)})
     with pytest.raises(ValueError, match="error_feedback=False keeps none"):
         PushCompressor("topk", error_feedback=False).load_state_dict({"residual": torch.ones(3)})
@@ -166,7 +166,7 @@ def test_residual_for_a_compressor_without_one_is_refused():
     [
         (
             {"name": "int8"},
-            r"push_compression='int8' is not supported; choose one of \['none', 'fp16', 'bf16', 'topk'\]",
+            r"gradient_compression='int8' is not supported; choose one of 'none', 'fp16', 'bf16', 'topk'\.",
         ),
         ({"name": "topk", "topk_ratio": 0}, r"topk_ratio=0 must be a number in \(0, 1\]"),
         ({"name": "topk", "topk_ratio": 1.5}, "topk_ratio=1.5"),
@@ -195,5 +195,5 @@ def test_encode_and_decode_errors():
         c.decode([torch.tensor([0, 1], dtype=torch.int32), torch.ones(2)], 4)
     with pytest.raises(ValueError, match=r"'none' payload has shape \(3,\); expected \(4,\)"):
         PushCompressor("none").decode([torch.ones(3)], 4)
-    with pytest.raises(ValueError, match="push_compression='x'"):
+    with pytest.raises(ValueError, match="gradient_compression='x'"):
         PushCompressor.payload_shapes("x", 4)  # type: ignore[arg-type]

@@ -144,7 +144,7 @@ def _strategy_yaml(path: Path, init_args: dict) -> Path:
              "start_method": "spawn", "gradient_compression": "powersgd", "powersgd_rank": 1, "even_batches": "false",
              "gradient_as_bucket_view": "false"},
             {"ddp_bucket_bytes_cap": 8 * 1024 * 1024, "ddp_static_graph": False, "ddp_find_unused_parameters": True,
-             "pg_timeout_s": 99, "start_method": "spawn", "ddp_comm_hook": "_powersgd_hook", "even_batches": False,
+             "pg_timeout_s": 99, "start_method": "spawn", "ddp_comm_hook": "powersgd_hook", "even_batches": False,
              "ddp_gradient_as_bucket_view": False},
         ),
     ],

@@ -121,15 +121,19 @@ def test_auto_from_yaml_picks_none_on_loopback_and_matches_none(tmp_path):
 
 @pytest.mark.multiprocess
 def test_resume_restores_the_choice_and_the_probe_schedule(tmp_path):
-    """A run resumed from its epoch-0 checkpoint probes at the same steps and ends with the same params.
+    """A run resumed from its epoch-0 checkpoint runs the saved choice, probes at the same steps and ends with the
+    same params; the control resumes from the same checkpoint without the auto state and ends elsewhere.
 
-    Only ``max_epochs`` bounds the runs: Lightning 2.6.6 stops a resume from an end-of-epoch checkpoint early when
-    ``max_steps`` and ``limit_train_batches`` are both set (docs/fault-tolerance.md, limits). The 1,438 training
-    digits split over 2 ranks are 719 per rank: batches of 120 make an epoch 6 steps, so 2 epochs are ``STEPS``.
+    A test-side seam (``tests.helpers.callbacks.SlowLink``) makes every decision from the start of training see a
+    100 kB/s link, so auto leaves the default: fp16 at the probe of step 4 (PowerSGD's warm-up is not over), PowerSGD
+    once the warm-up ends at step ``START``. Only ``max_epochs`` bounds the runs: Lightning 2.6.6 stops a resume from
+    an end-of-epoch checkpoint early when ``max_steps`` and ``limit_train_batches`` are both set
+    (docs/fault-tolerance.md, limits). The 1,438 training digits split over 2 ranks are 719 per rank: batches of 120
+    make an epoch 6 steps, so 2 epochs are ``STEPS``.
     """
 
-    def run(name: str, *extra: str) -> tuple[dict, dict]:
-        out, decisions = tmp_path / name / "params", tmp_path / name / "auto"
+    def run(name: str, *extra: str) -> tuple[dict, dict, dict]:
+        out, decisions, start = (tmp_path / name / part for part in ("params", "auto", "start"))
         _fit(
             tmp_path / name,
             out,
@@ -140,6 +144,8 @@ def test_resume_restores_the_choice_and_the_probe_schedule(tmp_path):
                 "--trainer.strategy.gradient_compression=auto",
                 f"--trainer.strategy.auto_interval={INTERVAL}",
                 f"--trainer.strategy.powersgd_start_iter={START}",
+                "--trainer.callbacks+=tests.helpers.callbacks.SlowLink",
+                f"--trainer.callbacks.path={start}",
                 "--trainer.callbacks+=tests.helpers.callbacks.RecordAuto",
                 f"--trainer.callbacks.path={decisions}",
                 "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
@@ -150,21 +156,40 @@ def test_resume_restores_the_choice_and_the_probe_schedule(tmp_path):
             max_steps=-1,
         )
         record = json.loads(Path(f"{decisions}.rank0.json").read_text())
-        return torch.load(f"{out}.rank0.pt", weights_only=True), record
+        started = json.loads(Path(f"{start}.rank0.json").read_text())
+        return torch.load(f"{out}.rank0.pt", weights_only=True), record, started
 
-    straight, straight_record = run("straight")
+    straight, straight_record, _ = run("straight")
     checkpoint = tmp_path / "straight" / "ckpt" / f"epoch=0-step={STEPS // 2}.ckpt"
     assert checkpoint.exists(), sorted(p.name for p in checkpoint.parent.iterdir())
-    resumed, resumed_record = run("resumed", f"--ckpt_path={checkpoint}")
+    saved = torch.load(checkpoint, weights_only=True)
+    assert [s["choice"] for s in saved["ds_mirrored"]["compression_states"]] == ["fp16", "fp16"]
+    resumed, resumed_record, resumed_start = run("resumed", f"--ckpt_path={checkpoint}")
 
     assert straight["global_step"] == resumed["global_step"] == STEPS
     assert resumed["batches_this_run"] == STEPS // 2  # only the second epoch ran again
-    made = [(d["step"], d["probed"]) for d in straight_record["decisions"]]
-    assert made == [(0, True), (4, True), (8, True), (10, False)]
-    # The set-up decision (made before the checkpoint loads), then the saved run's schedule from step 6 on. A step
-    # count that restarted at 0 would probe at its step 4 instead and never reach START.
-    assert [(d["step"], d["probed"]) for d in resumed_record["decisions"]] == [(0, True), *made[2:]]
+    made = [(d["step"], d["choice"], d["probed"]) for d in straight_record["decisions"]]
+    # Set-up (before the seam) on the loopback probe; then the slow link; at START PowerSGD's warm-up is over.
+    assert made == [(0, "none", True), (4, "fp16", True), (8, "fp16", True), (10, "powersgd", False)]
+    # The resumed run starts its second epoch on the saved choice and step count, then the saved run's schedule. A
+    # step count that restarted at 0 would probe at its step 4 instead and never reach START.
+    assert resumed_start == {"choice": "fp16", "step": STEPS // 2}
+    assert [(d["step"], d["choice"], d["probed"]) for d in resumed_record["decisions"]] == [
+        (0, "none", True),
+        *made[2:],
+    ]
     assert straight_record["step"] == resumed_record["step"] == STEPS
-    assert straight_record["choice"] == resumed_record["choice"] == "none"
+    assert straight_record["choice"] == resumed_record["choice"] == "powersgd"
     for name, value in straight["state_dict"].items():
         assert_close(resumed["state_dict"][name], value, atol=1e-6, rtol=1e-6)
+
+    # Control: the same checkpoint without the auto state resumes on the set-up choice with a fresh step count.
+    del saved["ds_mirrored"]
+    dropped = tmp_path / "dropped.ckpt"
+    torch.save(saved, dropped)
+    control, control_record, control_start = run("control", f"--ckpt_path={dropped}")
+    assert control_start == {"choice": "none", "step": 0}
+    assert [(d["step"], d["choice"]) for d in control_record["decisions"]] == [(0, "none"), (4, "fp16")]
+    assert control_record["choice"] == "fp16"  # PowerSGD never ran: its warm-up restarted with the step count
+    differences = [(control["state_dict"][n] - v).abs().max().item() for n, v in straight["state_dict"].items()]
+    assert max(differences) > 1e-4, differences  # far beyond the resume's 1e-6

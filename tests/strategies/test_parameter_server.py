@@ -8,12 +8,14 @@ import re
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
+from jsonargparse import ArgumentParser
 from torch import nn
 
 import ds_lightning
@@ -39,7 +41,11 @@ START_AND_STOP_MARGIN_S = 60
         ({"max_staleness": -1}, "max_staleness=-1"),
         ({"staleness_lr": "sqrt"}, "staleness_lr='sqrt'"),
         ({"push_every": 0}, "push_every=0"),
-        ({"compression": "zip"}, "compression='zip'"),
+        ({"gradient_compression": "zip"}, "gradient_compression='zip' is not supported; choose one of 'none'"),
+        ({"compression": "zip"}, "gradient_compression='zip'"),  # the deprecated name, checked as the new one
+        ({"gradient_compression": "powersgd"}, r"'powersgd' does not work with ds_parameter_server's gradient pushes"),
+        ({"gradient_compression": "auto"}, "choose one of 'none', 'fp16', 'bf16', 'topk'"),
+        ({"compression": "topk", "gradient_compression": "fp16"}, "keep only gradient_compression"),
         ({"topk_ratio": 0.0}, "topk_ratio=0.0"),
         ({"max_updates": 0}, "max_updates=0"),
         ({"timeout": 0}, "timeout=0"),
@@ -48,6 +54,31 @@ START_AND_STOP_MARGIN_S = 60
 def test_bad_options_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ds_lightning.ParameterServerStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("option", ["gradient_compression", "compression"])
+def test_yaml_takes_gradient_compression_and_its_deprecated_name(option: str) -> None:
+    """jsonargparse (what LightningCLI and ds-train parse with) accepts both names; only the old one warns."""
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_argument("--strategy", type=ds_lightning.ParameterServerStrategy)
+    path = "ds_lightning.strategies.ParameterServerStrategy"
+    config = parser.parse_string(f"strategy:\n  class_path: {path}\n  init_args:\n    {option}: topk\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy = parser.instantiate_classes(config).strategy
+    assert strategy.gradient_compression == "topk"
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)]
+    named = [m for m in deprecations if "compression='topk' is deprecated: write gradient_compression='topk'" in m]
+    assert len(named) == (option == "compression"), deprecations
+
+
+def test_the_deprecated_name_warns_naming_the_new_option() -> None:
+    with pytest.warns(DeprecationWarning, match="write gradient_compression='fp16'"):
+        strategy = ds_lightning.ParameterServerStrategy(compression="fp16")
+    assert strategy.gradient_compression == "fp16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name alone warns about nothing
+        assert ds_lightning.ParameterServerStrategy(gradient_compression="fp16").gradient_compression == "fp16"
 
 
 def _tf_config(monkeypatch: pytest.MonkeyPatch, cluster: dict[str, Any], task: tuple[str, int]) -> None:
@@ -376,7 +407,10 @@ def test_update_budget_compression_and_traffic_logging(tmp_path: Path) -> None:
     topk = _run(
         tmp_path / "topk",
         "run",
-        {**base, "strategy_kwargs": {"max_updates": 20, "compression": "topk", "topk_ratio": 0.02, "push_every": 2}},
+        {
+            **base,
+            "strategy_kwargs": {"max_updates": 20, "gradient_compression": "topk", "topk_ratio": 0.02, "push_every": 2},
+        },
     )
     for run in (dense, topk):
         updates = max(run[f"rank{r}"]["pulls"][-1]["updates"] for r in (0, 1))
@@ -499,9 +533,10 @@ def _pushed_bytes(root: Path) -> float:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("compression", ["fp16", "bf16"])
-def test_half_precision_pushes_halve_the_bytes_and_still_train(tmp_path: Path, compression: str) -> None:
-    spec = {"max_epochs": 2, "csv": True, "strategy_kwargs": {"max_staleness": 0, "compression": compression}}
+@pytest.mark.parametrize(("option", "compression"), [("gradient_compression", "fp16"), ("compression", "bf16")])
+def test_half_precision_pushes_halve_the_bytes_and_still_train(tmp_path: Path, option: str, compression: str) -> None:
+    """bf16 goes through the deprecated option name ``compression``, which must still select the method."""
+    spec = {"max_epochs": 2, "csv": True, "strategy_kwargs": {"max_staleness": 0, option: compression}}
     run = _run(tmp_path / compression, "run", spec)
     params = sum(p.numel() for _, p in _net_parameters())
     assert _pushed_bytes(tmp_path / compression) == FRAME_BYTES + 2 * params  # 2 bytes an entry, not fp32's 4

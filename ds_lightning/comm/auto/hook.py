@@ -1,15 +1,15 @@
 """The one DDP comm hook of ``gradient_compression="auto"``: it runs the current choice and re-decides on schedule.
 
 DDP accepts one ``register_comm_hook`` per model (pytorch issue 102721), so the hook registered at set-up stays and
-dispatches each bucket to the hook of the current choice (``none``, ``fp16`` or ``powersgd``). At the first bucket of
-a step the hook may re-decide: every ``interval`` gradient synchronisations it re-probes the link, and at the step
-PowerSGD's warm-up ends it re-decides on the last figures. Rank 0 decides and broadcasts its choice, so every rank
+dispatches each bucket to the hook of the current choice (one of the registry's candidates: ``none``, ``fp16`` and
+``powersgd`` built in). At the first bucket of a step the hook may re-decide: every ``interval`` gradient
+synchronisations it re-probes the link, and at the step a candidate's warm-up ends (PowerSGD's ``start_iter``) it
+re-decides on the last figures. Rank 0 decides and broadcasts its choice, so every rank
 runs the same collectives even when the ranks' step times differ. Collectives are issued from the hook's thread at
 the first bucket of a step, before any of that step's all-reduces: every rank issues them in the same order.
 
-Switching into PowerSGD clears its error feedback: the memory holds the residual of gradients from the last time
-PowerSGD ran, possibly hundreds of steps and a different model ago, and adding that stale residual to today's
-gradient would apply an old update a second time. The warm-start ``Q`` memory stays (it only speeds the power step).
+Switching into a method tells it so (:meth:`~ds_lightning.comm.compression.base.Compression.chosen`): PowerSGD then
+clears its error feedback, a residual from the last time it ran that would apply an old update a second time.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
@@ -20,16 +20,18 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from ds_lightning.comm.auto.model import AUTO_CANDIDATES, Choice, LinkFigures, Workload, choose
+from ds_lightning.comm.auto.model import Choice, LinkFigures, Workload, choose
 from ds_lightning.comm.auto.probe import PROBE_BYTES, compression_compute, probe_link
-from ds_lightning.comm.powersgd import PowerSGDState
 from ds_lightning.comm.wire import WireLog
+
+if TYPE_CHECKING:
+    from ds_lightning.comm.compression.base import Compression
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +63,18 @@ class AutoDecision:
     predicted_s: dict[str, float]
     step_s: float | None
 
-    def message(self, rank: int) -> str:
+    def message(self) -> str:
         """The log line."""
         f = self.figures
         predicted = ", ".join(f"{name} {seconds * 1e3:.2f}" for name, seconds in self.predicted_s.items())
+        compute = ", ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in f.compress_s.items()) or "none"
         step = f"{self.step_s * 1e3:.2f} ms" if self.step_s is not None else "not yet timed"
         return (
             f"ds_mirrored auto compression at step {self.step}: {self.choice} (was {self.previous};"
             f" {'probed' if self.probed else 'last figures'}). Link over {f.world_size} ranks: latency"
             f" {f.float32.latency_s * 1e6:.1f} us/round, bandwidth {f.float32.bandwidth / 1e6:.1f} MB/s (float32),"
-            f" {f.float16.bandwidth / 1e6:.1f} MB/s (float16); compression compute"
-            f" fp16 {f.compress_s.get('fp16', 0.0) * 1e3:.3f} ms, powersgd rank {rank}"
-            f" {f.compress_s.get('powersgd', 0.0) * 1e3:.3f} ms; step {step}; predicted ms/step: {predicted}."
+            f" {f.float16.bandwidth / 1e6:.1f} MB/s (float16); compression compute {compute}; step {step};"
+            f" predicted ms/step: {predicted}."
         )
 
 
@@ -83,12 +85,13 @@ class AutoState:
     Attributes:
         process_group: the group gradients are all-reduced over (``None``: the default group).
         device: where gradients live.
-        hooks: ``(state, hook)`` per candidate name, all logging into one wire log.
-        powersgd: PowerSGD's state (its own warm-up off: this state enforces ``start_iter``).
+        candidates: the methods to choose among, in the registry's order (the same on every rank).
+        hooks: ``(state, hook)`` per candidate name, all logging into :attr:`wire` (each candidate's own warm-up
+            off: this state keeps a candidate out until its ``warmup_steps``).
+        wire: what every choice's collectives sent (one log, shared by the candidates' hooks).
         workload: what a step sends (``buckets`` is updated from the buckets DDP really hands over).
-        compute_matrices: ``(n, m, r)`` per matrix PowerSGD compresses, for timing its compute.
+        shapes: the shapes of the parameters DDP reduces, for timing each candidate's compute.
         interval: gradient synchronisations between probes.
-        start_iter: PowerSGD is not chosen before this many synchronisations.
         choice: the compression running now.
         step: gradient synchronisations so far.
         figures: the last probe's figures.
@@ -100,13 +103,13 @@ class AutoState:
 
     process_group: dist.ProcessGroup | None
     device: torch.device
+    candidates: tuple["Compression", ...]
     hooks: dict[str, tuple[Any, Hook]]
-    powersgd: PowerSGDState
+    wire: WireLog
     workload: Workload
-    compute_matrices: list[tuple[int, int, int]]
+    shapes: list[tuple[int, ...]]
     interval: int = 500
-    start_iter: int = 10
-    choice: str = "none"
+    choice: str = ""
     step: int = 0
     figures: LinkFigures | None = None
     override: LinkFigures | None = None
@@ -119,17 +122,22 @@ class AutoState:
     _probed_this_step: bool = False
     _step_times: deque[float] = field(default_factory=lambda: deque(maxlen=32))
 
+    def __post_init__(self) -> None:
+        self.choice = self.choice or next(c.name for c in self.candidates if c.lossless)
+
     @property
-    def wire(self) -> WireLog:
-        """What every choice's collectives sent (one log, shared by the candidates' hooks)."""
-        return self.powersgd.wire
+    def start_iter(self) -> int:
+        """Gradient synchronisations before every candidate may be chosen (the longest warm-up)."""
+        return max((c.warmup_steps for c in self.candidates), default=0)
+
+    def _method(self, name: str) -> "Compression":
+        return next(c for c in self.candidates if c.name == name)
 
     def probe(self) -> LinkFigures:
         """Measure the link (a collective: every rank calls it at the same point)."""
         if self._compress_s is None:
-            self._compress_s = compression_compute(
-                self.workload.gradient_bytes // 4, self.compute_matrices, self.device
-            )
+            probes = {c.name: c.compute_probe(self.shapes, self.device) for c in self.candidates}
+            self._compress_s = compression_compute({n: p for n, p in probes.items() if p is not None}, self.device)
         self.figures = probe_link(self.process_group, self.device, self._compress_s, self.probe_sizes)
         return self.figures
 
@@ -141,22 +149,23 @@ class AutoState:
         figures = self.override if self.override is not None else self.figures
         assert figures is not None
         step_s = statistics.median(self._step_times) if self._step_times else None
+        allowed = [c.name for c in self.candidates if self.step >= c.warmup_steps]
         made: Choice = choose(
-            figures, self.workload, current=self.choice, step_s=step_s, powersgd_allowed=self.step >= self.start_iter
+            figures, self.workload, current=self.choice, step_s=step_s, candidates=self.candidates, allowed=allowed
         )
-        chosen = torch.tensor([AUTO_CANDIDATES.index(made.name)], dtype=torch.int64, device=self.device)
+        names = [c.name for c in self.candidates]
+        chosen = torch.tensor([names.index(made.name)], dtype=torch.int64, device=self.device)
         source = 0 if self.process_group is None else dist.get_global_rank(self.process_group, 0)
         dist.broadcast(chosen, src=source, group=self.process_group)
-        name = AUTO_CANDIDATES[int(chosen.item())]
+        name = names[int(chosen.item())]
         decision = AutoDecision(self.step, name, self.choice, probe, figures, made.predicted_s, step_s)
         self.decisions.append(decision)
-        if name == "powersgd" and self.choice != "powersgd":
-            self.powersgd.error.clear()  # stale error feedback would re-apply an old update (module docstring)
         if name != self.choice:
+            self._method(name).chosen()  # e.g. PowerSGD drops stale error feedback (module docstring)
             self._step_times.clear()  # step times of the old choice no longer describe the new one
         self.choice = name
         if dist.get_rank() == 0:
-            rank_zero_info(decision.message(self.powersgd.rank))
+            rank_zero_info(decision.message())
             log.debug("auto compression figures: %s", figures.as_dict())
         return decision
 
@@ -166,27 +175,35 @@ class AutoState:
             self._step_times.append(now - self._step_started)
         self._probed_this_step = False
         due_probe = self.step > 0 and self.step % self.interval == 0
-        warmup_over = self.step == self.start_iter and self.step > 0 and self.choice != "powersgd"
+        warmup_over = self.step > 0 and any(
+            self.step == c.warmup_steps and c.name != self.choice for c in self.candidates
+        )
         if due_probe or warmup_over:
             self.decide(probe=due_probe)
             self._probed_this_step = due_probe
         self._step_started = time.perf_counter() if self._probed_this_step else now
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain numbers and tensors: the choice, the step count, the last figures and PowerSGD's memory."""
-        return {
+        """Plain numbers and tensors: the choice, the step count, the last figures and the candidates' states.
+
+        Each checkpointed candidate's state is under its name (PowerSGD's memory under ``"powersgd"``).
+        """
+        out: dict[str, Any] = {
             "choice": self.choice,
             "step": self.step,
             "figures": self.figures.as_dict() if self.figures is not None else None,
-            "powersgd": self.powersgd.state_dict(),
         }
+        out.update({c.name: c.state_dict() for c in self.candidates if c.checkpointed})
+        return out
 
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         """Restore :meth:`state_dict`'s output; probes then fall on the same steps as in the saved run."""
         self.choice = str(state["choice"])
         self.step = int(state["step"])
         self.figures = LinkFigures.from_dict(state["figures"]) if state.get("figures") is not None else self.figures
-        self.powersgd.load_state_dict(state["powersgd"], device=device)
+        for candidate in self.candidates:
+            if candidate.checkpointed and candidate.name in state:
+                candidate.load_state_dict(state[candidate.name], device=device)
         self._step_times.clear()
         self._step_started = None
 
@@ -204,5 +221,5 @@ def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future
         state._in_step = False
         state.step += 1
         if state._buckets_open != state.workload.buckets:
-            state.workload = Workload(state.workload.gradient_bytes, state.workload.powersgd_bytes, state._buckets_open)
+            state.workload = Workload(state.workload.gradient_bytes, state.workload.sent_bytes, state._buckets_open)
     return future

@@ -1,5 +1,8 @@
 """The cost model of ``gradient_compression="auto"``: predicted step time per candidate, and the choice.
 
+The candidates are the registered compression methods marked ``auto_candidate``; each one predicts its own step's
+communication (:meth:`~ds_lightning.comm.compression.base.Compression.comm_seconds`) from the figures below.
+
 A ring all-reduce of ``B`` bytes over ``N`` ranks takes ``2(N-1)`` rounds, each paying the link's latency, and moves
 ``2(N-1)/N * B`` bytes through every rank's link:
 
@@ -14,12 +17,14 @@ the predicted communication of the compression that ran.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["AUTO_CANDIDATES", "AllReduceFit", "Choice", "LinkFigures", "Workload", "choose", "powersgd_numel"]
+if TYPE_CHECKING:
+    from ds_lightning.comm.compression.base import Compression
 
-AUTO_CANDIDATES: tuple[str, ...] = ("none", "fp16", "powersgd")
+__all__ = ["AllReduceFit", "Choice", "LinkFigures", "Workload", "choose"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class LinkFigures:
         world_size: ranks that took part.
         float32: the float32 all-reduce path (``none`` and PowerSGD).
         float16: the half-width all-reduce path (``fp16``).
-        compress_s: compute per step of each compression, in seconds (``{"fp16": ..., "powersgd": ...}``).
+        compress_s: compute per step of each candidate that computes, in seconds (``{"fp16": ..., ...}``).
 
     """
 
@@ -81,13 +86,13 @@ class Workload:
 
     Attributes:
         gradient_bytes: bytes of one uncompressed gradient all-reduce (float32).
-        powersgd_bytes: bytes PowerSGD sends per step at the user's rank.
+        sent_bytes: bytes each candidate sends per step (its bytes model, on this model's shapes).
         buckets: DDP buckets per step (one all-reduce each; PowerSGD issues two).
 
     """
 
     gradient_bytes: int
-    powersgd_bytes: int
+    sent_bytes: Mapping[str, float]
     buckets: int = 1
 
 
@@ -107,72 +112,51 @@ class Choice:
     compute_s: float
 
 
-def powersgd_numel(shapes: list[tuple[int, ...]], rank: int, min_compression_rate: float) -> int:
-    """Numbers PowerSGD sends per step for parameters of ``shapes`` (as :mod:`ds_lightning.comm.powersgd` sends)."""
-    total = 0
-    for shape in shapes:
-        numel = 1
-        for size in shape:
-            numel *= size
-        if len(shape) < 2 or numel == 0:
-            total += numel
-            continue
-        n, m = shape[0], numel // shape[0]
-        r = min(n, m, rank)
-        total += (n + m) * r if (n + m) * r * min_compression_rate < n * m else numel
-    return total
-
-
-def comm_seconds(name: str, link: LinkFigures, work: Workload) -> float:
-    """Predicted communication (and compression compute) time of one step under ``name``."""
-    n = link.world_size
-    if name == "none":
-        return link.float32.seconds(work.gradient_bytes, n, work.buckets)
-    if name == "fp16":
-        return link.float16.seconds(work.gradient_bytes / 2, n, work.buckets) + link.compress_s.get("fp16", 0.0)
-    if name == "powersgd":
-        sent = link.float32.seconds(work.powersgd_bytes, n, 2 * work.buckets)
-        return sent + link.compress_s.get("powersgd", 0.0)
-    raise ValueError(f"no cost model for gradient_compression={name!r}; auto chooses among {AUTO_CANDIDATES}.")
-
-
 def choose(
     link: LinkFigures,
     work: Workload,
     *,
     current: str,
     step_s: float | None,
-    powersgd_allowed: bool,
+    candidates: Sequence[type[Compression] | Compression] | None = None,
+    allowed: Collection[str] | None = None,
     margin: float = 0.05,
 ) -> Choice:
     """The candidate with the lowest predicted step time, under two rules against noise.
 
-    A compression is chosen only if it saves more than ``margin`` of ``none``'s predicted step time: compression costs
-    accuracy, so it must earn that, and ``none`` returns as soon as no compression does (a link that got faster is
-    followed at the next decision). Between two compressions, ``current`` stays unless the other saves ``margin``.
+    A compression is chosen only if it saves more than ``margin`` of the lossless baseline's (``none``'s) predicted
+    step time: compression costs accuracy, so it must earn that, and the baseline returns as soon as no compression
+    does (a link that got faster is followed at the next decision). Between two compressions, ``current`` stays
+    unless the other saves ``margin``.
 
     Args:
         link: the probe's figures.
         work: what a step sends.
         current: the compression running now.
         step_s: the measured step time under ``current`` (``None`` before any step: compute is taken as 0).
-        powersgd_allowed: whether PowerSGD's warm-up is over.
+        candidates: the methods to choose among, the lossless baseline among them (default: the registry's).
+        allowed: the names that may be chosen now (default: all; a method still in its warm-up is left out).
         margin: the fraction of the predicted step time a compression must save (see above).
 
     Returns:
-        The choice, with every considered candidate's predicted step time.
+        The choice, with every allowed candidate's predicted step time.
 
     """
-    candidates = [c for c in AUTO_CANDIDATES if c != "powersgd" or powersgd_allowed]
-    comm = {c: comm_seconds(c, link, work) for c in AUTO_CANDIDATES}
+    if candidates is None:
+        from ds_lightning.comm.compression.registry import auto_candidates  # the registry imports the methods
+
+        candidates = auto_candidates()
+    baseline = next(c.name for c in candidates if c.lossless)
+    names = [c.name for c in candidates if allowed is None or c.name in allowed or c.lossless]
+    comm = {c.name: c.comm_seconds(link, work) for c in candidates}
     compute = max(step_s - comm[current], 0.0) if step_s is not None else 0.0
-    predicted = {c: compute + comm[c] for c in candidates}
-    best = min(candidates, key=lambda c: predicted[c])  # ties: the earlier (cheaper in accuracy) candidate
-    if predicted["none"] - predicted[best] <= margin * predicted["none"]:
-        best = "none"
+    predicted = {c: compute + comm[c] for c in names}
+    best = min(names, key=lambda c: predicted[c])  # ties: the earlier (cheaper in accuracy) candidate
+    if predicted[baseline] - predicted[best] <= margin * predicted[baseline]:
+        best = baseline
     elif (
-        current in candidates
-        and current not in (best, "none")
+        current in names
+        and current not in (best, baseline)
         and predicted[current] - predicted[best] <= margin * predicted[current]
     ):
         best = current

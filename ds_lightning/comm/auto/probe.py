@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,36 +60,18 @@ def fit_line(nbytes: Sequence[float], seconds: Sequence[float], world_size: int)
 
 
 def compression_compute(
-    gradient_numel: int, matrices: Sequence[tuple[int, int, int]], device: torch.device, repeats: int = 5
+    probes: Mapping[str, Callable[[], object]], device: torch.device, repeats: int = 5
 ) -> dict[str, float]:
-    """Seconds per step of each compression's own compute on this rank, measured on stand-in tensors.
+    """Seconds per step of each compression's own compute on this rank, timed on its stand-in work.
 
     Args:
-        gradient_numel: numbers in one full gradient (float32).
-        matrices: ``(n, m, r)`` of each matrix PowerSGD compresses.
+        probes: per candidate, the work standing in for one step's compression compute
+            (:meth:`~ds_lightning.comm.compression.base.Compression.compute_probe`).
         device: where the gradients live.
         repeats: timed repeats (the fastest counts).
 
     """
-    generator = torch.Generator().manual_seed(0)
-    flat = torch.randn(max(gradient_numel, 1), generator=generator).to(device)
-
-    def cast() -> None:  # torch's fp16 wrapper: cast the bucket, then copy the reduced halves back
-        flat.copy_(flat.to(torch.float16))
-
-    mats = [(torch.randn(n, m, generator=generator).to(device), r) for n, m, r in matrices]
-
-    def powersgd() -> None:  # the same products and QRs as ds_lightning.comm.powersgd, per matrix
-        for matrix, r in mats:
-            q = torch.linalg.qr(matrix[:r].t().contiguous(), mode="reduced").Q
-            p = torch.linalg.qr(matrix @ q, mode="reduced").Q
-            q = matrix.t() @ p
-            torch.sub(matrix, p @ q.t())  # the new error
-
-    return {
-        "fp16": _best_seconds(cast, repeats, device),
-        "powersgd": _best_seconds(powersgd, repeats, device) if mats else 0.0,
-    }
+    return {name: _best_seconds(run, repeats, device) for name, run in probes.items()}
 
 
 def probe_link(

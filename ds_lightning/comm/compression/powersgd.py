@@ -1,4 +1,6 @@
-"""PowerSGD gradient compression (Vogels et al., 2019) as a DDP comm hook whose state is keyed by parameter.
+"""``gradient_compression="powersgd"``: PowerSGD (Vogels et al., 2019), its state keyed by parameter.
+
+It runs as a DDP comm hook and as the inter-host stage of the two-level all-reduce.
 
 Why not torch's ``powerSGD_hook``:
 
@@ -9,20 +11,28 @@ Why not torch's ``powerSGD_hook``:
   its buckets after the first iteration of every run, so a restored state lands on the wrong entries after a resume.
 
 Here every collective is issued from the hook's own thread, in bucket order, and the state lives per parameter.
+PowerSGD needs every rank's gradient at once (its factors are all-reduced), so it does not compress
+parameter-server pushes.
 """
 
 # No `from __future__ import annotations`: DDP checks the hook's annotations at runtime.
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
 
+from ds_lightning.comm.compression.base import Compression, Hook
+from ds_lightning.comm.compression.registry import register
+from ds_lightning.comm.hierarchical import HostGroups
 from ds_lightning.comm.wire import WireLog
 
-__all__ = ["PowerSGDState", "powersgd_hook"]
+__all__ = ["PowerSGD", "PowerSGDStage", "PowerSGDState", "powersgd_hook"]
 
 
 @dataclass
@@ -118,6 +128,23 @@ def powersgd_hook(state: PowerSGDState, bucket: dist.GradBucket) -> torch.future
     return _completed(bucket.buffer())
 
 
+@dataclass
+class PowerSGDStage:
+    """The leaders' stage of the two-level all-reduce: PowerSGD over the leaders' group, on the hosts' sums.
+
+    The two-level hook closes the wire log's step itself, so this stage only counts PowerSGD's iterations.
+    """
+
+    state: PowerSGDState
+
+    def __call__(self, bucket: dist.GradBucket, groups: HostGroups) -> None:
+        """Average the bucket's host sums over the leaders, then scale to the mean over every rank."""
+        _average_bucket(self.state, bucket)  # the mean over leaders of the host sums
+        if bucket.is_last():
+            self.state.iter += 1
+        bucket.buffer().mul_(len(groups.layout.hosts) / groups.layout.world_size)
+
+
 def _average_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> None:
     """Replace the bucket's gradients by their (approximate) mean over the group, in place."""
     world = dist.get_world_size(state.process_group)
@@ -179,3 +206,111 @@ def _average_bucket(state: PowerSGDState, bucket: dist.GradBucket) -> None:
             approx = grad.view(matrix.shape)
             torch.mm(p, q_sum.t().div(world), out=approx)
             state.error[index] = matrix.sub_(approx)  # reuse the matrix's memory for the new local error
+
+
+def _matrix(shape: tuple[int, ...], rank: int, min_rate: float) -> tuple[int, int, int] | None:
+    """``(n, m, r)`` of a parameter PowerSGD compresses as an ``n x m`` matrix at rank ``r``, else ``None``."""
+    if len(shape) < 2 or shape[0] == 0:
+        return None
+    n = shape[0]
+    m = int(torch.Size(shape).numel()) // n
+    r = min(n, m, rank)
+    return (n, m, r) if _worth_compressing(n, m, r, min_rate) else None
+
+
+@register
+class PowerSGD(Compression):
+    """Rank-``powersgd_rank`` PowerSGD with error feedback and warm start, after ``powersgd_start_iter`` plain steps."""
+
+    name = "powersgd"
+    uses = frozenset({"all_reduce", "two_level"})
+    unsupported = {
+        "push": "its low-rank factors are all-reduced, so it needs every worker's gradient at once, and a push"
+        " carries one worker's"
+    }
+    auto_candidate = True
+    checkpointed = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.state: PowerSGDState | None = None
+
+    def _state(self, group: dist.ProcessGroup | None, model: DistributedDataParallel, wire: WireLog, warmup: bool):
+        options = self.options
+        self.state = PowerSGDState(
+            process_group=group,
+            rank=options.powersgd_rank,
+            start_iter=options.powersgd_start_iter if warmup else 0,
+            min_compression_rate=options.powersgd_min_compression_rate,
+            seed=options.seed,
+            param_index={id(p): i for i, p in enumerate(model.parameters())},
+            wire=wire,
+        )
+        return self.state
+
+    @override
+    def ddp_hook(
+        self, process_group: dist.ProcessGroup | None, model: DistributedDataParallel, wire: WireLog, warmup: bool
+    ) -> tuple[Any, Hook]:
+        return self._state(process_group, model, wire, warmup), powersgd_hook
+
+    @override
+    def inter_host(self, hosts: HostGroups, model: DistributedDataParallel, wire: WireLog) -> PowerSGDStage:
+        return PowerSGDStage(self._state(hosts.leaders, model, wire, warmup=True))
+
+    @override
+    def chosen(self) -> None:
+        if self.state is not None:
+            # The memory holds the residual of gradients from the last time PowerSGD ran, possibly many steps and a
+            # different model ago: adding it to today's gradient would apply an old update a second time.
+            self.state.error.clear()
+
+    @override
+    @property
+    def warmup_steps(self) -> int:
+        return self.options.powersgd_start_iter
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.state.state_dict() if self.state is not None else {}
+
+    @override
+    def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
+        if self.state is not None:
+            self.state.load_state_dict(state, device=device)
+
+    @override
+    def sent_bytes(self, shapes: Sequence[tuple[int, ...]]) -> float:
+        """float32 numbers sent per step: ``(n + m) * r`` per compressed matrix, every entry of the rest."""
+        options, total = self.options, 0
+        for shape in shapes:
+            matrix = _matrix(shape, options.powersgd_rank, options.powersgd_min_compression_rate)
+            total += (matrix[0] + matrix[1]) * matrix[2] if matrix else int(torch.Size(shape).numel())
+        return 4.0 * total
+
+    @override
+    @classmethod
+    def comm_seconds(cls, link: Any, work: Any) -> float:
+        """Two all-reduces per bucket (``P``, then ``Q``) of the factors, plus the products and QRs."""
+        sent = link.float32.seconds(work.sent_bytes[cls.name], link.world_size, 2 * work.buckets)
+        return sent + link.compress_s.get(cls.name, 0.0)
+
+    @override
+    def compute_probe(self, shapes: Sequence[tuple[int, ...]], device: torch.device) -> Callable[[], object] | None:
+        options = self.options
+        matrices = [
+            m for s in shapes if (m := _matrix(s, options.powersgd_rank, options.powersgd_min_compression_rate))
+        ]
+        if not matrices:
+            return None
+        generator = torch.Generator().manual_seed(0)
+        mats = [(torch.randn(n, m, generator=generator).to(device), r) for n, m, r in matrices]
+
+        def products() -> None:  # the same products and QRs as the hook, per matrix
+            for matrix, r in mats:
+                q = torch.linalg.qr(matrix[:r].t().contiguous(), mode="reduced").Q
+                p = torch.linalg.qr(matrix @ q, mode="reduced").Q
+                q = matrix.t() @ p
+                torch.sub(matrix, p @ q.t())  # the new error
+
+        return products
