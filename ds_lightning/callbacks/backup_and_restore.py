@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -16,12 +17,17 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.backup.agreement import StepAgreement
-from ds_lightning.backup.position import move_batch_counters, random_states, set_random_states
+from ds_lightning.backup.position import (
+    draw_as_the_next_epoch_starts,
+    move_batch_counters,
+    random_states,
+    set_random_states,
+)
 from ds_lightning.backup.preemption import PreemptionWatch
 from ds_lightning.backup.store import BackupStore
 from ds_lightning.backup.writer import BackupWriter
 from ds_lightning.callbacks._batch_geometry import data_parallel_size, samples_per_micro_step
-from ds_lightning.data.resumable import DataCursor
+from ds_lightning.data.resumable import DataCursor, position_under
 from ds_lightning.strategies import ParameterServerStrategy
 
 __all__ = ["BackupAndRestore"]
@@ -42,7 +48,8 @@ class BackupAndRestore(Callback):
     and clocks, the pipeline's stages) come back, with no ``ckpt_path`` and no code from the user. Every sample is
     still used once per epoch: the epoch's order depends on the seed and the epoch only, and the position is kept in
     samples, so a backup also resumes on another number of processes (keep the global batch with
-    ``GradientAccumulation(global_batch_size=...)`` to continue the same training).
+    ``GradientAccumulation(global_batch_size=...)`` to continue the same training), and under another strategy:
+    Lightning's own (the default one-device strategy, ``ddp``) have their training data positioned the same way.
 
     Backups are taken after an optimizer step, written to a temporary name, synced and renamed, so a process killed
     mid-write leaves the previous backup whole; the newest ``keep`` are kept. With ``async_save`` the loop only waits
@@ -121,6 +128,7 @@ class BackupAndRestore(Callback):
         self._samples = 0
         self._resume: tuple[int, int] | None = None
         self._active = False
+        self._unposition: Callable[[], None] | None = None
         self._last_step = 0
         self._last_time = 0.0
 
@@ -136,12 +144,8 @@ class BackupAndRestore(Callback):
         trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
         if hasattr(strategy, "data_cursor"):
             strategy.data_cursor = self._cursor
-        else:
-            rank_zero_warn(
-                f"BackupAndRestore under {type(strategy).__name__} restores everything but the position inside an"
-                " epoch: a run resumed mid-epoch starts that epoch's data again. Use a ds strategy (e.g."
-                " strategy='ds_mirrored') to resume at the exact sample."
-            )
+        else:  # Lightning's own strategies (the default one-device strategy, ddp): the same order, positioned here
+            self._unposition = position_under(strategy, self._cursor)
         timeout = getattr(strategy, "_timeout", None)  # Lightning's DDP keeps it there too
         self._writer.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else None
         self._agreement.timeout = self._writer.timeout
@@ -194,6 +198,8 @@ class BackupAndRestore(Callback):
             move_batch_counters(trainer, int(done))
         states = saved["random_states"]
         set_random_states(states[trainer.global_rank % len(states)])
+        if saved["epoch_complete"]:
+            draw_as_the_next_epoch_starts(trainer.train_dataloader)
         rank_zero_info(
             f"BackupAndRestore: resumed at step {trainer.global_step}, epoch {trainer.current_epoch}, sample"
             f" {saved['samples']} of the epoch (saved by {saved['world_size']} process(es), now"
@@ -294,6 +300,9 @@ class BackupAndRestore(Callback):
         self._writer.teardown()
         self._watch.uninstall()
         self._cursor.clear()
+        if self._unposition is not None:
+            self._unposition()
+            self._unposition = None
         self._active = False
 
     @override
