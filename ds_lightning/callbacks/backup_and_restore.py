@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -146,6 +147,10 @@ class BackupAndRestore(Callback):
             strategy.data_cursor = self._cursor
         else:  # Lightning's own strategies (the default one-device strategy, ddp): the same order, positioned here
             self._unposition = position_under(strategy, self._cursor)
+        # From here on a preemption signal only raises the flag, also while the backup loads (the handlers go in again
+        # over Lightning's, which it registers after the restore).
+        self._watch.received = None
+        self._watch.install()
         timeout = getattr(strategy, "_timeout", None)  # Lightning's DDP keeps it there too
         self._writer.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else None
         self._agreement.timeout = self._writer.timeout
@@ -176,12 +181,17 @@ class BackupAndRestore(Callback):
             self._resume = (saved["epoch"], saved["samples"])
 
     @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active:
+            self._watch.install()  # over Lightning's (see on_train_start), before the sanity check's collectives
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
             return
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
-        # Here, not in setup: Lightning installs its SIGTERM handler after setup, and that handler broadcasts inside
-        # the signal handler (a collective the other ranks never join when the signal reaches one rank).
+        # Again: Lightning installs its SIGTERM handler after the restore, just before the loops, and that handler
+        # broadcasts inside the signal handler (a collective the other ranks never join when the signal reaches one).
         self._watch.install()
         if self.restored_from is not None and trainer.ckpt_path not in (None, self.restored_from):
             rank_zero_warn(
@@ -247,7 +257,11 @@ class BackupAndRestore(Callback):
             rank_zero_info(f"BackupAndRestore: preempted; backed up at step {step}, exiting with code {self.exit_code}")
             raise SystemExit(self.exit_code)
         # After the save, which restarts the timer: a timed backup is not taken twice.
-        timer = self.every_n_seconds is not None and time.monotonic() - self._last_time >= self.every_n_seconds
+        timer = (
+            self.every_n_seconds is not None
+            and trainer.is_global_zero  # rank 0's clock decides: the others' timers would add backups of their own
+            and time.monotonic() - self._last_time >= self.every_n_seconds
+        )
         flags = (timer, self._watch.received is not None)
         self._agreement.start(flags, trainer.strategy.root_device, collective=_collective(trainer))
 
@@ -283,6 +297,17 @@ class BackupAndRestore(Callback):
                 self._writer.wait()  # the backup in flight is still worth having
             except Exception:  # the run's own exception is the one to report
                 log.exception("BackupAndRestore: the last backup could not be written")
+            received = self._watch.received
+            if received is not None and isinstance(exception, Exception):
+                # Told to stop, and the run failed before its backup: typically a peer whose grace ran out left the
+                # collective this rank waits in. Exit as the grace timer would, so the job is requeued on exit_code.
+                log.error(
+                    "BackupAndRestore: the run failed after %s; exiting with code %d, the previous backup stands.",
+                    received.name,
+                    self.exit_code,
+                    exc_info=exception,
+                )
+                os._exit(self.exit_code)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
