@@ -8,12 +8,14 @@ counters to match.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import DataLoader
 
-__all__ = ["move_batch_counters", "random_states", "set_random_states"]
+__all__ = ["draw_as_the_next_epoch_starts", "move_batch_counters", "random_states", "set_random_states"]
 
 
 def random_states() -> dict[str, Any]:
@@ -51,3 +53,30 @@ def move_batch_counters(trainer: Any, batches: int) -> None:
     for tracker in (progress.current, progress.total):
         for field in ("ready", "started", "processed", "completed"):
             setattr(tracker, field, max(0, getattr(tracker, field) + delta))
+
+
+def draw_as_the_next_epoch_starts(train_dataloader: Any) -> None:
+    """Draw from torch's generator what starting the next epoch's iterators of ``train_dataloader`` draws.
+
+    A backup taken at an epoch's last batch holds the random states from before the next epoch's iterators exist.
+    Starting an iterator, a ``DataLoader`` draws its workers' base seed (one int64) from torch's generator; the
+    uninterrupted run does so when the next epoch starts, after the backup's states. A run restored there trains that
+    epoch on iterators Lightning made while it set up its data, before the states were restored: without this draw its
+    dropout masks would be those of another run. (A backup inside an epoch needs nothing: both runs drew when that
+    epoch started, before the states.)
+    """
+    for loader in _leaves(train_dataloader):
+        persistent = loader.persistent_workers and loader.num_workers > 0  # a second epoch reuses its iterator
+        if not persistent and loader.generator is None:
+            torch.empty((), dtype=torch.int64).random_()
+
+
+def _leaves(loaders: Any) -> Iterator[DataLoader]:
+    if isinstance(loaders, DataLoader):
+        yield loaders
+    elif isinstance(loaders, dict):
+        for value in loaders.values():
+            yield from _leaves(value)
+    elif isinstance(loaders, (list, tuple)):
+        for value in loaders:
+            yield from _leaves(value)

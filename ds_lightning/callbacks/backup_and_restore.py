@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -16,12 +18,17 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.backup.agreement import StepAgreement
-from ds_lightning.backup.position import move_batch_counters, random_states, set_random_states
+from ds_lightning.backup.position import (
+    draw_as_the_next_epoch_starts,
+    move_batch_counters,
+    random_states,
+    set_random_states,
+)
 from ds_lightning.backup.preemption import PreemptionWatch
 from ds_lightning.backup.store import BackupStore
 from ds_lightning.backup.writer import BackupWriter
 from ds_lightning.callbacks._batch_geometry import data_parallel_size, samples_per_micro_step
-from ds_lightning.data.resumable import DataCursor
+from ds_lightning.data.resumable import DataCursor, position_under
 from ds_lightning.strategies.capabilities import capabilities_of
 
 __all__ = ["BackupAndRestore"]
@@ -42,7 +49,8 @@ class BackupAndRestore(Callback):
     and clocks, the pipeline's stages) come back, with no ``ckpt_path`` and no code from the user. Every sample is
     still used once per epoch: the epoch's order depends on the seed and the epoch only, and the position is kept in
     samples, so a backup also resumes on another number of processes (keep the global batch with
-    ``GradientAccumulation(global_batch_size=...)`` to continue the same training).
+    ``GradientAccumulation(global_batch_size=...)`` to continue the same training), and under another strategy:
+    Lightning's own (the default one-device strategy, ``ddp``) have their training data positioned the same way.
 
     Backups are taken after an optimizer step, written to a temporary name, synced and renamed, so a process killed
     mid-write leaves the previous backup whole; the newest ``keep`` are kept. With ``async_save`` the loop only waits
@@ -121,6 +129,7 @@ class BackupAndRestore(Callback):
         self._samples = 0
         self._resume: tuple[int, int] | None = None
         self._active = False
+        self._unposition: Callable[[], None] | None = None
         self._last_step = 0
         self._last_time = 0.0
 
@@ -136,12 +145,12 @@ class BackupAndRestore(Callback):
         trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
         if hasattr(strategy, "data_cursor"):
             strategy.data_cursor = self._cursor
-        else:
-            rank_zero_warn(
-                f"BackupAndRestore under {type(strategy).__name__} restores everything but the position inside an"
-                " epoch: a run resumed mid-epoch starts that epoch's data again. Use a ds strategy (e.g."
-                " strategy='ds_mirrored') to resume at the exact sample."
-            )
+        else:  # Lightning's own strategies (the default one-device strategy, ddp): the same order, positioned here
+            self._unposition = position_under(strategy, self._cursor)
+        # From here on a preemption signal only raises the flag, also while the backup loads (the handlers go in again
+        # over Lightning's, which it registers after the restore).
+        self._watch.received = None
+        self._watch.install()
         timeout = getattr(strategy, "_timeout", None)  # Lightning's DDP keeps it there too
         self._writer.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else None
         self._agreement.timeout = self._writer.timeout
@@ -172,12 +181,17 @@ class BackupAndRestore(Callback):
             self._resume = (saved["epoch"], saved["samples"])
 
     @override
+    def on_sanity_check_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._active:
+            self._watch.install()  # over Lightning's (see on_train_start), before the sanity check's collectives
+
+    @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self._active:
             return
         self._last_step, self._last_time = trainer.global_step, time.monotonic()
-        # Here, not in setup: Lightning installs its SIGTERM handler after setup, and that handler broadcasts inside
-        # the signal handler (a collective the other ranks never join when the signal reaches one rank).
+        # Again: Lightning installs its SIGTERM handler after the restore, just before the loops, and that handler
+        # broadcasts inside the signal handler (a collective the other ranks never join when the signal reaches one).
         self._watch.install()
         if self.restored_from is not None and trainer.ckpt_path not in (None, self.restored_from):
             rank_zero_warn(
@@ -194,6 +208,8 @@ class BackupAndRestore(Callback):
             move_batch_counters(trainer, int(done))
         states = saved["random_states"]
         set_random_states(states[trainer.global_rank % len(states)])
+        if saved["epoch_complete"]:
+            draw_as_the_next_epoch_starts(trainer.train_dataloader)
         rank_zero_info(
             f"BackupAndRestore: resumed at step {trainer.global_step}, epoch {trainer.current_epoch}, sample"
             f" {saved['samples']} of the epoch (saved by {saved['world_size']} process(es), now"
@@ -241,7 +257,11 @@ class BackupAndRestore(Callback):
             rank_zero_info(f"BackupAndRestore: preempted; backed up at step {step}, exiting with code {self.exit_code}")
             raise SystemExit(self.exit_code)
         # After the save, which restarts the timer: a timed backup is not taken twice.
-        timer = self.every_n_seconds is not None and time.monotonic() - self._last_time >= self.every_n_seconds
+        timer = (
+            self.every_n_seconds is not None
+            and trainer.is_global_zero  # rank 0's clock decides: the others' timers would add backups of their own
+            and time.monotonic() - self._last_time >= self.every_n_seconds
+        )
         flags = (timer, self._watch.received is not None)
         self._agreement.start(flags, trainer.strategy.root_device, collective=_collective(trainer))
 
@@ -277,6 +297,17 @@ class BackupAndRestore(Callback):
                 self._writer.wait()  # the backup in flight is still worth having
             except Exception:  # the run's own exception is the one to report
                 log.exception("BackupAndRestore: the last backup could not be written")
+            received = self._watch.received
+            if received is not None and isinstance(exception, Exception):
+                # Told to stop, and the run failed before its backup: typically a peer whose grace ran out left the
+                # collective this rank waits in. Exit as the grace timer would, so the job is requeued on exit_code.
+                log.error(
+                    "BackupAndRestore: the run failed after %s; exiting with code %d, the previous backup stands.",
+                    received.name,
+                    self.exit_code,
+                    exc_info=exception,
+                )
+                os._exit(self.exit_code)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -294,6 +325,9 @@ class BackupAndRestore(Callback):
         self._writer.teardown()
         self._watch.uninstall()
         self._cursor.clear()
+        if self._unposition is not None:
+            self._unposition()
+            self._unposition = None
         self._active = False
 
     @override

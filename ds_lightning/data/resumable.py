@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.data import DataLoader, IterableDataset, RandomSampler
@@ -16,7 +17,14 @@ from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from ds_lightning.data.share_plan import SharePlan
 from ds_lightning.data.share_sampler import ShareBatchSampler
 
-__all__ = ["DataCursor", "ResumableDataLoader", "position_loader", "rebuild_loader", "resumable_loader"]
+__all__ = [
+    "DataCursor",
+    "ResumableDataLoader",
+    "position_loader",
+    "position_under",
+    "rebuild_loader",
+    "resumable_loader",
+]
 
 
 class DataCursor:
@@ -129,3 +137,31 @@ def position_loader(strategy: Any, dataloader: Any, cursor: DataCursor | None, t
         return dataloader
     kwargs: dict[str, Any] = getattr(strategy, "distributed_sampler_kwargs", None) or {}
     return resumable_loader(dataloader, int(kwargs.get("rank", 0)), int(kwargs.get("num_replicas", 1)), cursor)
+
+
+def position_under(strategy: Any, cursor: DataCursor) -> Callable[[], None]:
+    """Have a strategy without a ``data_cursor`` of its own (Lightning's) position the training data; return the undo.
+
+    Its ``process_dataloader``, the last step every loader takes before the loop, is wrapped on the instance: the
+    training loader is rebuilt over the same world-size-independent order a ds strategy draws (the replicas and rank
+    from its ``distributed_sampler_kwargs``, one process without them), so a backup restores under the default
+    one-device strategy or ``ddp`` at the exact sample, and the restored loader has the state the backup's loop saved.
+    """
+    own = vars(strategy).get("process_dataloader")  # an earlier wrap on this instance, put back by the undo
+    original = strategy.process_dataloader
+
+    def process_dataloader(dataloader: Any) -> Any:
+        dataloader = original(dataloader)
+        module = strategy.lightning_module
+        trainer = getattr(module, "_trainer", None) if module is not None else None
+        return position_loader(strategy, dataloader, cursor, trainer is not None and trainer.training)
+
+    strategy.process_dataloader = process_dataloader
+
+    def undo() -> None:
+        if own is None:
+            vars(strategy).pop("process_dataloader", None)
+        else:
+            strategy.process_dataloader = own
+
+    return undo

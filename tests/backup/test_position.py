@@ -7,8 +7,9 @@ import random
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
-from ds_lightning.backup.position import random_states, set_random_states
+from ds_lightning.backup.position import draw_as_the_next_epoch_starts, random_states, set_random_states
 from ds_lightning.data.resumable import DataCursor
 from ds_lightning.data.share_plan import SharePlan
 from ds_lightning.data.share_sampler import ShareBatchSampler
@@ -57,3 +58,20 @@ def test_random_states_round_trip_through_a_weights_only_checkpoint(tmp_path) ->
     expected = (torch.rand(3), random.random(), np.random.rand())
     set_random_states(torch.load(path, weights_only=True))
     assert (torch.rand(3).tolist(), random.random(), np.random.rand()) == (expected[0].tolist(), *expected[1:])
+
+
+def test_an_epoch_end_restore_draws_what_starting_the_next_epoch_draws() -> None:
+    """The uninterrupted run starts the next epoch's iterators after the backed-up states; a restored run already has
+    them. The helper's draw leaves torch's generator where starting them does (control: without it, elsewhere)."""
+    loaders = {"a": DataLoader(list(range(8)), batch_size=2), "b": [DataLoader(list(range(4)), batch_size=2)]}
+    saved = torch.get_rng_state()
+    for loader in (loaders["a"], loaders["b"][0]):
+        iter(loader)
+    uninterrupted = torch.get_rng_state()
+    torch.set_rng_state(saved)
+    draw_as_the_next_epoch_starts(loaders)
+    assert torch.equal(torch.get_rng_state(), uninterrupted)
+    assert not torch.equal(saved, uninterrupted)
+    seeded = DataLoader(list(range(4)), generator=torch.Generator().manual_seed(0))  # draws from its own generator
+    draw_as_the_next_epoch_starts(seeded)
+    assert torch.equal(torch.get_rng_state(), uninterrupted)

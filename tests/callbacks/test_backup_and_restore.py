@@ -8,15 +8,20 @@ an optimizer step starts; the restart is the same command again.
 from __future__ import annotations
 
 import json
+import random
+import shutil
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
+from ds_lightning.backup import BackupStore
 from ds_lightning.callbacks import BackupAndRestore
+from ds_lightning.callbacks.backup_and_restore import CHECKPOINT_KEY
 from tests.helpers.backup_runs import DIED, Net, make_data
 from tests.helpers.runner import CONFIGS, Run, WarmRanks, ds_train, quiet_trainer_args, run_module, run_ranks
 
@@ -136,39 +141,145 @@ def mirrored_reference(tmp_path_factory: pytest.TempPathFactory, pair: WarmRanks
     return tmp, "ref"
 
 
+#: Every step draws from torch (dropout), Python and NumPy (the loss scaled by both): a resume that loses any of the
+#: random states a backup holds ends with other parameters.
+RANDOM_MODEL = {"dropout": 0.2, "noise": 0.5}
+RANDOM_SPEC = {"devices": 2, "global_batch": 16, "lr_scaling": True, "model": RANDOM_MODEL}
+
+
+@pytest.fixture(scope="module")
+def random_reference(tmp_path_factory: pytest.TempPathFactory, pair: WarmRanks) -> tuple[Path, str]:
+    """:data:`RANDOM_SPEC` on 2 processes, uninterrupted."""
+    tmp = tmp_path_factory.mktemp("random_reference")
+    train(tmp, "ref", {**RANDOM_SPEC, "backup": {"every_n_train_steps": 4}}, warm=pair)
+    return tmp, "ref"
+
+
+@pytest.fixture(scope="module")
+def random_cut(tmp_path_factory: pytest.TempPathFactory, pair: WarmRanks) -> Path:
+    """:data:`RANDOM_SPEC` killed at step 9 (mid-epoch 1), backups every 2: the run's files, left as the crash left
+    them (each test copies them)."""
+    tmp = tmp_path_factory.mktemp("random_cut")
+    train(tmp, "cut", {**RANDOM_SPEC, "backup": {"every_n_train_steps": 2}, "die_at_step": 9}, expect=DIED, warm=pair)
+    return tmp
+
+
+def scramble_random_states(backup_dir: Path, which: tuple[str, ...]) -> None:
+    """Test side, as if the restore of ``which`` were dropped: in the newest backup, every rank's ``which`` random
+    states ("torch", "python", "numpy") become those of an unrelated seed."""
+    path = BackupStore(backup_dir, keep=1).latest()
+    assert path is not None
+    checkpoint = torch.load(path, weights_only=False)
+    for states in checkpoint[CHECKPOINT_KEY]["random_states"]:
+        if "torch" in which:
+            states["torch"] = torch.Generator().manual_seed(12345).get_state()
+        if "python" in which:
+            states["python"] = random.Random(12345).getstate()
+        if "numpy" in which:
+            name, keys, pos, has_gauss, cached = np.random.RandomState(12345).get_state()  # type: ignore[misc]
+            states["numpy"] = [name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)]
+    torch.save(checkpoint, path)
+
+
+def max_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[key] - b[key]).abs().max()) for key in a)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("die_at_step", [9])  # mid-epoch 1; the world-size cases stop mid-epoch 0 and at its end
+@pytest.mark.parametrize("scrambled", [(), ("torch",), ("python",), ("numpy",)], ids=["exact", "torch", "py", "np"])
 def test_mirrored_resumes_exactly_with_every_sample_once(
-    tmp_path: Path, mirrored_reference: tuple[Path, str], die_at_step: int, pair: WarmRanks
-) -> None:
-    spec = {"devices": 2, "global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 2}}
-    train(tmp_path, "cut", {**spec, "die_at_step": die_at_step}, expect=DIED, warm=pair)
-    resumed = train(tmp_path, "cut", {**spec, "attempt": 1}, warm=pair)
-    assert resumed["restored_from"] is not None and "backup-step" in resumed["restored_from"]
-    assert resumed["global_step"] == 12  # 96 samples / 16 per step x 2 epochs: no step added or lost
-    assert_same_params(final_params(*mirrored_reference), final_params(tmp_path, "cut"), atol=1e-6)
-    epochs = samples_per_epoch(tmp_path, "cut")
-    assert epochs == {0: list(range(N)), 1: list(range(N))}
-    assert epochs == samples_per_epoch(*mirrored_reference)
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize(("before", "after", "die_at_step", "restored"), [(2, 1, 5, 3), (1, 2, 8, 6)])
-def test_mirrored_resumes_on_another_world_size(
     tmp_path: Path,
-    mirrored_reference: tuple[Path, str],
-    before: int,
-    after: int,
-    die_at_step: int,
-    restored: int,
+    random_reference: tuple[Path, str],
+    random_cut: Path,
+    scrambled: tuple[str, ...],
     pair: WarmRanks,
 ) -> None:
-    """Mid-epoch (step 3 of 6) from 2 processes onto 1, and at an epoch's end (step 6) from 1 onto 2."""
-    spec = {"global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 3, "async_save": False}}
-    warm = {2: pair, 1: None}  # 1 process: a plain launch
-    train(tmp_path, "cut", {**spec, "devices": before, "die_at_step": die_at_step}, expect=DIED, warm=warm[before])
-    resumed = train(tmp_path, "cut", {**spec, "devices": after, "attempt": 1}, warm=warm[after])
-    assert f"backup-step{restored:09d}" in resumed["restored_from"]
+    """Killed mid-epoch 1 and restarted: the uninterrupted run's parameters (1e-6) and every sample once per epoch.
+    Controls: with one random state of the backup replaced (torch's, Python's or NumPy's), the same resume ends more
+    than 1e-3 away, so the exact case shows each of them restored."""
+    shutil.copytree(random_cut, tmp_path, dirs_exist_ok=True)
+    scramble_random_states(tmp_path / "cut_backups", scrambled)
+    spec = {**RANDOM_SPEC, "backup": {"every_n_train_steps": 2}}
+    resumed = train(tmp_path, "cut", {**spec, "attempt": 1}, warm=pair)
+    assert resumed["restored_from"] is not None and "backup-step000000008" in resumed["restored_from"]
+    assert resumed["global_step"] == 12  # 96 samples / 16 per step x 2 epochs: no step added or lost
+    epochs = samples_per_epoch(tmp_path, "cut")
+    assert epochs == {0: list(range(N)), 1: list(range(N))}
+    assert epochs == samples_per_epoch(*random_reference)
+    reference, cut = final_params(*random_reference), final_params(tmp_path, "cut")
+    if not scrambled:
+        assert_same_params(reference, cut, atol=1e-6)
+    else:
+        assert max_difference(reference, cut) > 1e-3, f"the {scrambled} random state made no difference"
+
+
+#: The world-size and strategy changes: the global batch kept by accumulation, synchronous backups every 3 steps.
+ANY_SIZE = {"global_batch": 16, "lr_scaling": True, "backup": {"every_n_train_steps": 3, "async_save": False}}
+
+
+@pytest.fixture(scope="module")
+def mirrored_cut(tmp_path_factory: pytest.TempPathFactory, pair: WarmRanks) -> Path:
+    """ds_mirrored on 2 processes killed at step 5; synchronous backups every 3 steps: the newest, at step 3, is
+    mid-epoch 0. The run's files as the crash left them (each test copies them)."""
+    tmp = tmp_path_factory.mktemp("mirrored_cut")
+    spec = {**ANY_SIZE, "devices": 2, "die_at_step": 5}
+    train(tmp, "cut", spec, expect=DIED, warm=pair)
+    return tmp
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("strategy", "devices", "position"),
+    [
+        ("ds_mirrored", 1, "kept"),
+        ("auto", 1, "kept"),  # Lightning's default one-device strategy
+        ("ddp", 2, "kept"),  # Lightning's own DDP
+        ("auto", 1, "dropped"),  # control: the backup's position in the epoch set to its start
+    ],
+)
+def test_a_backup_restores_under_the_strategy_and_devices_picked_on_restart(
+    tmp_path: Path,
+    mirrored_reference: tuple[Path, str],
+    mirrored_cut: Path,
+    strategy: str,
+    devices: int,
+    position: str,
+    pair: WarmRanks,
+) -> None:
+    """A 2-process ds_mirrored run killed mid-epoch 0, continued under ds_mirrored on 1 process, Lightning's default
+    strategy on 1 or ``ddp`` on 2, the global batch kept by GradientAccumulation: the uninterrupted run's parameters
+    (1e-5) and every sample once per epoch. (Lightning's strategies once stopped with "The CombinedLoader has 0
+    stateful loaders, but found 1 states in the checkpoint".) Control: with the position dropped from the backup the
+    restored run trains epoch 0's first samples twice, and both checks fail."""
+    shutil.copytree(mirrored_cut, tmp_path, dirs_exist_ok=True)
+    if position == "dropped":
+        path = BackupStore(tmp_path / "cut_backups", keep=1).latest()
+        checkpoint = torch.load(path, weights_only=False)
+        checkpoint[CHECKPOINT_KEY]["samples"] = 0
+        torch.save(checkpoint, path)
+    spec = {**ANY_SIZE, "strategy": strategy, "devices": devices, "attempt": 1}
+    resumed = train(tmp_path, "cut", spec, warm=pair if devices == 2 else None)
+    assert "backup-step000000003" in resumed["restored_from"]
+    once = {0: list(range(N)), 1: list(range(N))}
+    reference, cut = final_params(*mirrored_reference), final_params(tmp_path, "cut")
+    if position == "kept":
+        assert resumed["global_step"] == 12
+        assert_same_params(reference, cut, atol=1e-5)
+        assert samples_per_epoch(tmp_path, "cut") == once
+    else:
+        assert resumed["global_step"] == 15  # epoch 0's 48 samples before the backup, trained again
+        assert samples_per_epoch(tmp_path, "cut") != once
+        assert max_difference(reference, cut) > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_mirrored_resumes_from_an_epochs_end_onto_more_processes(
+    tmp_path: Path, mirrored_reference: tuple[Path, str], pair: WarmRanks
+) -> None:
+    """1 process killed at step 8, restored from its backup at epoch 0's end (step 6) on 2 processes."""
+    train(tmp_path, "cut", {**ANY_SIZE, "devices": 1, "die_at_step": 8}, expect=DIED)
+    resumed = train(tmp_path, "cut", {**ANY_SIZE, "devices": 2, "attempt": 1}, warm=pair)
+    assert "backup-step000000006" in resumed["restored_from"]
     assert resumed["global_step"] == 12
     assert_same_params(final_params(*mirrored_reference), final_params(tmp_path, "cut"), atol=1e-5)
     assert samples_per_epoch(tmp_path, "cut") == {0: list(range(N)), 1: list(range(N))}
@@ -285,6 +396,7 @@ def test_layer_split_resumes_exactly(tmp_path: Path) -> None:
         "strategy": "ds_model_parallel",
         "devices": 1,
         "batch_size": 16,
+        "model": RANDOM_MODEL,
         "backup": {"every_n_train_steps": 2, "async_save": False},
     }
     _resume_case(tmp_path, spec, spec, die_at_step=5)
@@ -297,6 +409,7 @@ def test_powersgd_error_feedback_comes_back_with_the_backup(tmp_path: Path, pair
     spec = {
         "devices": 2,
         "strategy_kwargs": {"gradient_compression": "powersgd", "powersgd_rank": 1, "powersgd_start_iter": 2},
+        "model": RANDOM_MODEL,
         "backup": {"every_n_train_steps": 2, "async_save": False},
     }
     mirrored = {**spec, "strategy": "ds_mirrored"}

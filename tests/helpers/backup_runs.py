@@ -11,8 +11,10 @@ by the strategy) and ``{out}.json`` (steps, the backup it resumed from, held-out
 
 from __future__ import annotations
 
+import collections
 import json
 import os
+import random
 import signal
 import sys
 import time
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
@@ -31,6 +34,33 @@ from tests.helpers.callbacks import RecordOptimizerState
 
 FEATURES, CLASSES = 12, 3
 DIED = 17  # the exit code of a rank killed by die_at_step
+
+# The spec's "events": each {"at": where, "ranks": [...], "signal": name or None, "sleep": seconds, "step": n} sends
+# the signal to the rank's own process at that moment and then sleeps there (a slow moment, made so from the test
+# side). ``at``: "setup" (the model's setup hook: start-up, process group up), "restore" (the model's
+# on_load_checkpoint, while a backup is being restored), "step" (as optimizer step ``step`` starts) or "write" (while
+# the backup of step ``step`` is being written: pickling it signals and sleeps on the process that writes).
+_EVENTS: list[dict[str, Any]] = []
+
+
+def fire(at: str, rank: int, step: int | None = None) -> None:
+    """Run the spec's events for ``at`` on ``rank`` (at optimizer step ``step`` where it matters)."""
+    for event in _EVENTS:
+        if event["at"] == at and rank in event.get("ranks", [0]) and event.get("step") in (None, step):
+            if event.get("signal"):
+                os.kill(os.getpid(), signal.Signals[event["signal"]])
+            time.sleep(event.get("sleep", 0.0))
+
+
+class SlowToWrite:
+    """Put into a checkpoint: pickling it (the backup's write, on the process that writes) runs the "write" events."""
+
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        fire("write", self.rank, self.step)
+        return collections.OrderedDict, ()  # loads as an empty dict, also with weights_only=True
 
 
 _TEACHER = torch.randn(FEATURES, CLASSES, generator=torch.Generator().manual_seed(1))
@@ -44,9 +74,14 @@ def make_data(n: int, seed: int = 1) -> TensorDataset:
 class Net(pl.LightningModule):
     """A small MLP meeting the ds_pipeline contract (``net`` and ``pipeline_loss``), trained by every strategy."""
 
-    def __init__(self, optimizer: str = "adam", lr: float = 0.01, dropout: float = 0.0, lr_step_size: int = 3) -> None:
+    def __init__(
+        self, optimizer: str = "adam", lr: float = 0.01, dropout: float = 0.0, lr_step_size: int = 3, noise: float = 0.0
+    ) -> None:
+        """``dropout`` draws from torch's generator; ``noise`` scales each step's loss by draws from Python's and
+        NumPy's, so every random state a backup holds changes the trained parameters."""
         super().__init__()
         torch.manual_seed(0)
+        self.noise = noise
         layers: list[nn.Module] = [nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Dropout(dropout))]
         layers += [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)]
         self.net = nn.Sequential(*layers, nn.Linear(16, CLASSES))
@@ -55,12 +90,21 @@ class Net(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
+    def setup(self, stage: str) -> None:
+        fire("setup", self.global_rank)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        fire("restore", self.global_rank)
+
     def pipeline_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return nn.functional.cross_entropy(output, target)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        return self.pipeline_loss(self.net(x), y)
+        loss = self.pipeline_loss(self.net(x), y)
+        if self.noise:
+            loss = loss * (1 + self.noise * (random.random() - 0.5)) * (1 + self.noise * (np.random.rand() - 0.5))
+        return loss
 
     def configure_optimizers(self) -> Any:
         if self.optimizer == "sgd":
@@ -96,10 +140,16 @@ class RecordIds(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
         if trainer.global_step == self.kill_server_at_step and trainer.is_global_zero:
             trainer.strategy.launcher.servers[0].kill()  # type: ignore[union-attr]
+        fire("step", trainer.global_rank, trainer.global_step)
         time.sleep(self.step_sleep)
         ids = [self.row_ids[tuple(row.tolist())] for row in batch[0].cpu()]
-        self._file.write(json.dumps({"epoch": trainer.current_epoch, "step": trainer.global_step, "ids": ids}) + "\n")
+        entry = {"epoch": trainer.current_epoch, "step": trainer.global_step, "ids": ids, "t": time.monotonic()}
+        self._file.write(json.dumps(entry) + "\n")
         self._file.flush()
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict) -> None:
+        if trainer.training and any(e["at"] == "write" and e.get("step") == trainer.global_step for e in _EVENTS):
+            checkpoint["slow_to_write"] = SlowToWrite(trainer.global_rank, trainer.global_step)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._file.close()
@@ -107,6 +157,7 @@ class RecordIds(Callback):
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    _EVENTS[:] = spec.get("events", [])
     torch.set_num_threads(1)
     pl.seed_everything(spec.get("seed", 7), verbose=False)
     out = spec["out"]
