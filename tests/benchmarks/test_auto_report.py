@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks._auto_report import auto_reading, choice_text, choices, probes_in, timed_choices, trail
+from benchmarks.mirrored.auto import auto_reading, choice_text, choices, probes_in, timed_choices, trail
 from ds_lightning.comm.auto import AllReduceFit, AutoDecision, LinkFigures
 
 FIGURES = LinkFigures(

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import _cluster_worker as worker
 from benchmarks import harness
-from benchmarks._cluster_auto_report import summarise_auto
-from benchmarks._cluster_compression import (
+from benchmarks.cluster import worker
+from benchmarks.cluster.auto_report import summarise_auto
+from benchmarks.cluster.compression import (
     compression_configs,
     compression_spec,
     merge_compression,
@@ -22,7 +22,7 @@ from benchmarks._cluster_compression import (
     summarise_compression,
     verdict,
 )
-from benchmarks.cluster import Cluster
+from benchmarks.cluster.driver import Cluster
 
 TOKENS = 2 * 8 * 128  # two workers' batches of 8 windows of 128 tokens
 

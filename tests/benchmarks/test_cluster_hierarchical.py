@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks._cluster_hierarchical import hierarchical_markdown, merge_hierarchical, summarise_hierarchical
+from benchmarks.cluster.hierarchical import hierarchical_markdown, merge_hierarchical, summarise_hierarchical
 
 
 def _rank(local_rank: int, tx: int | None, steps: list[float]) -> dict[str, Any]:
@@ -62,8 +62,8 @@ def test_ratios_are_paired_by_repeat_and_judged_against_the_targets():
 
 
 def test_the_gpt_run_names_its_workload_and_writes_its_own_files():
-    from benchmarks._cluster_hierarchical import hierarchical_spec
-    from benchmarks.cluster import Cluster
+    from benchmarks.cluster.driver import Cluster
+    from benchmarks.cluster.hierarchical import hierarchical_spec
 
     gpt = {"model": "gpt", "gpt_layers": 4, "gpt_heads": 4, "gpt_width": 128, "gpt_block": 128}
     heading = hierarchical_markdown({"configs": {}, "pairs": {}}, {"hier_rate": 100.0, "hier_hidden": [8], **gpt})[1]

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from benchmarks import harness
-from benchmarks._collectives_worker import OPS, padded, rounds, slowest
-from benchmarks.collectives import SIZES, Collectives, arm_name, reading_of, ring_bytes, size_of
+from benchmarks.collectives.driver import SIZES, Collectives, arm_name, reading_of, ring_bytes, size_of
+from benchmarks.collectives.worker import OPS, padded, rounds, slowest
 from benchmarks.harness.writers import write_json
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from benchmarks import harness
-from benchmarks.faults import Faults, overhead_arm, recovery_reading
+from benchmarks.faults.driver import Faults, overhead_arm, recovery_reading
 
 
 def _stamps() -> list[dict[str, Any]]:

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import _load_balance_worker as worker
 from benchmarks import harness
-from benchmarks.load_balance import LoadBalance, per_model, reading
+from benchmarks.load_balance import worker
+from benchmarks.load_balance.driver import LoadBalance, per_model, reading
 
 
 def _opts(argv: list[str]) -> argparse.Namespace:

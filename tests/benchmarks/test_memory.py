@@ -15,12 +15,12 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from benchmarks import harness
-from benchmarks._memory_worker import broadcast_bytes, broadcasts_per_step
-from benchmarks._memory_worker import main as worker_main
-from benchmarks._sharding_common import verdict
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.memory import Memory, arm_name, arm_title, reading_of
+from benchmarks.memory.driver import Memory, arm_name, arm_title, reading_of
+from benchmarks.memory.worker import broadcast_bytes, broadcasts_per_step
+from benchmarks.memory.worker import main as worker_main
+from benchmarks.sharding_engines.common import verdict
 from ds_lightning.testing import free_port
 
 

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from benchmarks import harness
-from benchmarks._auto_report import AUTO
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.mirrored import COMPRESSIONS, STRATEGIES, Mirrored
+from benchmarks.mirrored.auto import AUTO
+from benchmarks.mirrored.driver import COMPRESSIONS, STRATEGIES, Mirrored
 
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 

@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 
-from benchmarks import _parameter_server_worker as worker
 from benchmarks import harness
-from benchmarks.parameter_server import PHASES, ParameterServer, per_model, reading, unit
+from benchmarks.parameter_server import worker
+from benchmarks.parameter_server.driver import PHASES, ParameterServer, per_model, reading, unit
 
 
 def _opts(argv: list[str]) -> argparse.Namespace:

@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import _pipeline_worker as worker
 from benchmarks import harness
 from benchmarks.harness.cli import parser, resolve
-from benchmarks.pipeline import Pipeline, config_key, run_launches
+from benchmarks.pipeline import worker
+from benchmarks.pipeline.driver import Pipeline, config_key, run_launches
 
 TINY_GPT = {"model": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 16}
 

@@ -13,12 +13,13 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler
 
-from benchmarks import _workloads, harness
-from benchmarks._sharding_engines_worker import fsdp_bytes, make_optimizer, padded_shard_bytes, train
-from benchmarks._sharding_engines_worker import main as worker_main
+from benchmarks import harness
+from benchmarks.harness import workloads as _workloads
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.sharding_engines import ShardingEngines, arm_name, parity, reading_of, ring_bytes
+from benchmarks.sharding_engines.driver import ShardingEngines, arm_name, parity, reading_of, ring_bytes
+from benchmarks.sharding_engines.worker import fsdp_bytes, make_optimizer, padded_shard_bytes, train
+from benchmarks.sharding_engines.worker import main as worker_main
 from ds_lightning.testing import free_port
 
 HIDDEN = [16]
