@@ -72,6 +72,11 @@ class Benchmark:
         """The markdown's lines, from ``data`` (with its ``summary``)."""
         raise NotImplementedError
 
+    def compact(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The JSON's body with per-step series summarised (:func:`harness.series`); :meth:`summarise` must give the
+        same summary from it (``--render``). The records carry per-run figures already unless a benchmark says so."""
+        return data
+
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
         """Write the charts into ``out``; the paths written."""
         return []
@@ -138,7 +143,7 @@ def write(bench: Benchmark, data: dict[str, Any], out: Path, json_too: bool = Tr
     name = bench.file_stem(data.get("settings", {}))
     written = []
     if json_too:
-        write_json(out / f"{name}.json", data)
+        write_json(out / f"{name}.json", bench.compact(data))
         written.append(out / f"{name}.json")
     write_markdown(out / f"{name}.md", bench.report(data))
     return [*written, out / f"{name}.md", *bench.plot(data, out)]
