@@ -76,6 +76,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import harness
 from benchmarks.cluster.auto_report import auto_markdown, summarise_auto
 from benchmarks.cluster.compression import (
+    compact_runs,
     compression_configs,
     gpt_markdown,
     is_gpt,
@@ -96,7 +97,7 @@ from benchmarks.cluster.hierarchical import (
     run_hierarchical_round,
     summarise_hierarchical,
 )
-from benchmarks.cluster.launch import LAUNCHES, WORKERS, probe_link, rotated, run_configs, shape_links
+from benchmarks.cluster.launch import LAUNCHES, WORKERS, probe_link, run_configs, shape_links
 from benchmarks.cluster.report import (
     BALANCED,
     BATCH,
@@ -109,7 +110,7 @@ from benchmarks.cluster.report import (
     notes,
     plot,
 )
-from benchmarks.harness import spread
+from benchmarks.harness import round_order, spread
 from benchmarks.harness import workloads as _workloads
 from benchmarks.load_balance.driver import reading as balance_reading
 from ds_lightning.testing import netns
@@ -156,7 +157,7 @@ def run_uneven_round(
     base = {"hidden": opts.ps_hidden, "lr": LR, "seed": 0, "dist_timeout": opts.dist_timeout, "workers": WORKERS}
     base["workload"] = {"model": "digits"}  # whatever --model: on the GPT these parts are other benchmarks'
     if "ps" in opts.parts:
-        for config in rotated(ps_configs(opts), r):
+        for config in round_order(ps_configs(opts), r):
             spec = {**base, "kind": "ps", "batch_size": BATCH, "steps": opts.ps_steps}
             spec["with_ps"] = config["strategy"] == "ds_parameter_server"
             records, launches = run_configs(cluster, spec, [config], opts)
@@ -179,7 +180,7 @@ def run_uneven_round(
             "global_batch_size": opts.global_batch,
             "epochs": opts.balance_warmup_epochs + opts.balance_epochs,
         }
-        records, launches = run_configs(cluster, spec, rotated(configs, r), opts)
+        records, launches = run_configs(cluster, spec, round_order(configs, r), opts)
         for config in configs:
             rec = records[config["name"]]
             result = rec if "error" in rec else merge_balance(rec, opts.balance_warmup_epochs)
@@ -383,6 +384,9 @@ class Cluster(harness.Benchmark):
     def view(data: dict[str, Any]) -> dict[str, Any]:
         """One flat mapping of the options, the run's facts and the summary, as the tables read them."""
         return {**data["settings"], **data, **data["summary"]}
+
+    def compact(self, data: dict[str, Any]) -> dict[str, Any]:
+        return compact_runs(data)
 
     def report(self, data: dict[str, Any]) -> list[str]:
         view = self.view(data)

@@ -22,8 +22,10 @@ from typing import Any
 import torch
 
 from benchmarks import harness
-from benchmarks.cluster.launch import WORKERS, rotated, run_configs, shape_links
+from benchmarks.cluster.launch import WORKERS, run_configs, shape_links
+from benchmarks.harness import round_order
 from benchmarks.harness import workloads as _workloads
+from benchmarks.harness.figures import save_figure
 from ds_lightning.testing import netns
 
 #: (name, hierarchical, gradient_compression)
@@ -102,7 +104,7 @@ def run_hierarchical_round(
     with tempfile.TemporaryDirectory(prefix="ds-hier-") as params_dir:
         spec = hierarchical_spec(opts, cluster, params_dir)
         done = {}
-        for config in rotated(hierarchical_configs(), r):
+        for config in round_order(hierarchical_configs(), r):
             out, _ = run_configs(cluster, spec, [config], opts)
             found = out[config["name"]]
             if "error" in found:
@@ -150,8 +152,8 @@ def summarise_hierarchical(raw: dict[str, list[dict[str, Any]]]) -> dict[str, An
             "speedup": harness.spread(speedup),
             "max_abs_diff": max(diffs) if diffs else None,
         }
-        reading["bytes_met"] = _median_within(reading["bytes_ratio"], upper=BYTES_TARGET)
-        reading["speedup_met"] = _median_within(reading["speedup"], lower=SPEEDUP_TARGET)
+        reading["bytes_met"] = harness.is_met(reading["bytes_ratio"], at_most=BYTES_TARGET)
+        reading["speedup_met"] = harness.is_met(reading["speedup"], at_least=SPEEDUP_TARGET)
         # fp16 rounds other partial sums on each path: its difference is reported, not judged against fp32's.
         judged = two_level == "two_level"
         reading["parity_met"] = None if not diffs or not judged else max(diffs) <= PARITY_ATOL
@@ -211,9 +213,11 @@ def hierarchical_markdown(summary: dict[str, Any], settings: dict[str, Any]) -> 
             parity = f"; parameters differ by up to {diff:.1e} (fp16 rounds other partial sums: not judged)"
         else:
             parity = ""
+        on_bytes = harness.verdict(pair["bytes_ratio"], at_most=BYTES_TARGET)
+        on_speed = harness.verdict(pair["speedup"], at_least=SPEEDUP_TARGET)
         lines.append(
-            f"- **{two_level} vs {flat}:** bytes {bytes_ratio} (target <= {BYTES_TARGET}: {_met(pair['bytes_met'])});"
-            f" speed-up {speedup} (target >= {SPEEDUP_TARGET}: {_met(pair['speedup_met'])})"
+            f"- **{two_level} vs {flat}:** bytes {bytes_ratio} (target <= {BYTES_TARGET}: {on_bytes});"
+            f" speed-up {speedup} (target >= {SPEEDUP_TARGET}: {on_speed})"
             + (parity if _same_compression(two_level, flat) else "")
             + "."
         )
@@ -222,15 +226,6 @@ def hierarchical_markdown(summary: dict[str, Any], settings: dict[str, Any]) -> 
 
 def _same_compression(two_level: str, flat: str) -> bool:
     return two_level.replace("two_level", "flat") == flat
-
-
-def _median_within(
-    values: dict[str, Any] | None, upper: float | None = None, lower: float | None = None
-) -> bool | None:
-    if values is None:
-        return None
-    median = values["median"]
-    return (upper is None or median <= upper) and (lower is None or median >= lower)
 
 
 def _met(flag: bool | None) -> str:
@@ -260,5 +255,4 @@ def plot_hierarchical(summary: dict[str, Any], path: Path) -> None:
         ax.set_ylabel(label)
     fig.suptitle("Two-level all-reduce vs the flat ring: 2 hosts x 2 processes, shaped inter-host link")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

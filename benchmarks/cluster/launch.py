@@ -225,9 +225,3 @@ def run_configs(
         else:
             remaining = []
     return out, launches
-
-
-def rotated(items: list[Any], r: int) -> list[Any]:
-    """``items`` starting at item r (mod its length): no configuration always runs first."""
-    k = r % len(items) if items else 0
-    return items[k:] + items[:k]

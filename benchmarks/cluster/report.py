@@ -10,6 +10,7 @@ from typing import Any
 from benchmarks import harness
 from benchmarks.cluster.launch import WORKERS
 from benchmarks.harness import workloads as _workloads
+from benchmarks.harness.figures import save_figure
 
 BATCH = 32
 LR = 0.05
@@ -132,7 +133,7 @@ def markdown(data: dict[str, Any], part1: list[str] | None = None, auto: list[st
             long = f"{100 * a['final_acc']:.1f}" if "final_acc" in a else "failed"
             lines.append(row + f" {unshaped} | {_fmt(harness.spread(accs), '.1f', 100)} | {long} |")
         t = data["targets"][0]
-        result = {True: "PASS", False: "**MISS**", None: "no data"}[t["met"]]
+        result = t.get("verdict") or harness.verdict(t["value"], at_least=TARGET_SPEEDUP)
         lines += [
             "",
             "| target | goal | measured | result |",
@@ -259,8 +260,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     if lower:
         _lower_panels(axes, data)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def _perplexity_panel(ax: Any, data: dict[str, Any], names: list[str]) -> None:

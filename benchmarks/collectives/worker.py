@@ -3,7 +3,7 @@
 Started by ``benchmarks/collectives.py`` with a JSON spec (``procs``, ``numel``, ``iters``, ``warmup``, ``timeout``).
 ``torch.multiprocessing`` starts the ranks (gloo over loopback, 1 thread each; the launch's environment names a free
 port). Every rank first checks that each collective computes what it should, then runs ``warmup + iters`` rounds;
-a round times every op once, in an order that rotates by one op per round, each call after a barrier:
+a round times every op once, in an order that varies by round (``harness.round_order``), each call after a barrier:
 
 - ``all_reduce``: ``dist.all_reduce`` of the whole fp32 tensor (what DDP does with the gradients);
 - ``reduce_scatter``: ``dist.reduce_scatter_tensor`` of the whole tensor into this rank's 1/N shard;
@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.harness.spec import round_order
+
 __all__ = ["OPS", "padded", "rounds", "slowest"]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "rs_ag")
@@ -41,8 +43,8 @@ def padded(numel: int, world: int) -> int:
 
 
 def rounds(ops: tuple[str, ...], n: int) -> list[list[str]]:
-    """The order of every round: round r starts at op r mod len(ops), so no op always runs first (or last)."""
-    return [list(ops[r % len(ops) :] + ops[: r % len(ops)]) for r in range(n)]
+    """The order of every round (:func:`harness.round_order`): no op always runs first, last or beside the same op."""
+    return [round_order(ops, r) for r in range(n)]
 
 
 def slowest(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import fmt
+from benchmarks.harness.figures import save_figure
 
 TARGET = 1.05  # async backups every 50 steps: at most 5% on step time
 TARGET_EVERY = 50
@@ -95,8 +96,8 @@ def report(data: dict[str, Any]) -> list[str]:
         for model, t in sorted(data["summary"]["target"].items()):
             if t["ratio"] is None:
                 continue
-            verdict = "met" if t["met"] else "NOT met"
-            inrun = "met" if t.get("inrun_met") else "not met"
+            verdict = harness.verdict(t["ratio"], at_most=TARGET)
+            inrun = harness.verdict(t.get("inrun_ratio"), at_most=TARGET)
             out.append(
                 f"- **Target (async every {TARGET_EVERY} steps <= {TARGET:.2f}x), {model}: {fmt(t['ratio'], '.3f')}"
                 f" -> {verdict}** (in-run estimate {fmt(t.get('inrun_ratio'), '.3f')}: {inrun}; from timings"
@@ -208,8 +209,7 @@ def plot(data: dict[str, Any], out: Path, stem: str = "faults") -> list[Path]:
         ax2.legend(fontsize=8)
     fig.tight_layout()
     path = out / f"{stem}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return [path]
 
 

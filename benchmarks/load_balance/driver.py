@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, fmt
 from benchmarks.harness import workloads as _workloads
+from benchmarks.harness.figures import save_figure
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 SLOW_RANK = 1
@@ -272,9 +273,7 @@ class LoadBalance(harness.Benchmark):
             )
         b = s[BALANCED]
         ratio = b["epoch_s_ratio"]
-        met = {True: "PASS", False: "**MISS**", None: "no data"}[
-            None if ratio is None else ratio["median"] <= TARGET_RATIO
-        ]
+        met = harness.verdict(ratio, at_most=TARGET_RATIO)
         model = (
             f"{data.get('workload', 'the GPT')} (AdamW lr {lr:g}), global batch {st['global_batch']} windows of"
             f" {per_sample} tokens"
@@ -405,8 +404,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax2.set_xlabel("step")
     ax2.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

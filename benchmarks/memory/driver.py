@@ -9,7 +9,7 @@ interleaved and repeated by the harness. Read at the end of each run, on every r
 (``comm_bytes_per_step``), under ``zero`` to ``ZeroRedundancyOptimizer``'s parameter broadcasts (counted from the
 parameters it owns), under ``fsdp2`` to FSDP2's all-gathers and reduce-scatters (counted from the shards), and its peak
 RSS; rank 0's median step time. Targets (issue 16, sharded / plain of the same repeat, the largest rank's figure):
-optimizer state <= 0.55x at 2 ranks and <= 0.30x at 4; step time <= 1.10x; bytes sent per step <= 1.1x (payloads
+optimizer state <= 0.55x at 2 ranks and <= 0.30x at 4; step time <= 1.10x; payload bytes per step <= 1.1x (payloads
 handed, and under the ring model of ``benchmarks/sharding_engines.py``).
 
     python benchmarks/memory.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
@@ -104,8 +104,8 @@ def targets(summary: Mapping[str, Any], procs: list[int], engines: list[str]) ->
             checks = (
                 (f"{prefix}optimizer-state bytes, largest rank", "state_mb_max", STATE_TARGETS.get(n)),
                 (f"{prefix}step time (rank 0's median)", "step_ms", _sharding_common.STEP_TARGET),
-                (f"{prefix}bytes sent per step, largest rank", "sent_mb_max", BYTES_TARGET),
-                (f"{prefix}bytes sent under a ring model, largest rank", "ring_mb_max", BYTES_TARGET),
+                (f"{prefix}payload bytes per step (counted), largest rank", "sent_mb_max", BYTES_TARGET),
+                (f"{prefix}payload bytes under a ring model, largest rank", "ring_mb_max", BYTES_TARGET),
                 (f"{prefix}peak RSS, largest rank (no target)", "rss_mb_max", None),
             )
             out += _sharding_common.judged(summary.get(arm_name(True, n, engine), {}), n, checks)
@@ -194,7 +194,7 @@ class Memory(harness.Benchmark):
                     "gradient all-reduce (MB/step/rank)",
                     "parameter broadcast (MB/step, largest rank)",
                     "FSDP2 all-gather + reduce-scatter (MB/step, largest rank)",
-                    "sent (MB/step, largest rank)",
+                    "payload (MB/step, largest rank, counted)",
                     "ring model (MB/step, largest rank)",
                     "peak RSS (MB, largest rank)",
                 ],
@@ -206,7 +206,7 @@ class Memory(harness.Benchmark):
             "- Optimizer state: `ds_lightning.sharding.optimizer_state_bytes` on every rank after the last step (all"
             " of its state tensors); the target is judged on the largest rank's, since torch partitions whole"
             " parameters (largest first, each to the least-loaded rank).",
-            "- Bytes sent are **counted from the collectives' payloads, not measured on a wire**: the gradient"
+            "- Payload bytes are **counted from the collectives' payloads, not measured on a wire**: the gradient"
             " all-reduce's payload (`comm_bytes_per_step`) plus, sharded, the parameters a rank broadcasts as their"
             " owner after its step (torch's `ZeroRedundancyOptimizer` broadcasts every parameter from its owner rank,"
             f" {calls_of(s, data['arms'])} broadcasts per step that every rank joins) or, under fsdp2, the"
@@ -225,7 +225,7 @@ class Memory(harness.Benchmark):
             self,
             data,
             out,
-            Panel("sent_mb_max", "sent per step, largest rank (MB, counted)", "sent_mb_max_ratio"),
+            Panel("sent_mb_max", "payload per step, largest rank (MB, counted)", "sent_mb_max_ratio"),
             f"Optimizer-state sharding on the {workload_label(data)}",
             {
                 a: "tab:orange" if a.startswith("sharded") else "tab:green" if a.startswith("fsdp2") else "tab:blue"

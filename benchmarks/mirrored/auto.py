@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from benchmarks.harness import fmt, markdown_table, ok, paired, spread
+from benchmarks.harness import fmt, is_met, markdown_table, ok, paired, spread, verdict
 
 AUTO = "auto"
 LOOPBACK_TARGET = 1.05  # auto / none step time on loopback
@@ -109,10 +109,8 @@ def choice_text(c: dict[str, Any] | None) -> str:
 
 
 def met_text(value: dict[str, Any] | None, target: float) -> str:
-    """``PASS`` when the median is at most ``target``, ``**MISS**`` above it, ``no data`` without a value."""
-    if value is None:
-        return "no data"
-    return "PASS" if value["median"] <= target else "**MISS**"
+    """The harness's verdict on a ratio whose target is an upper bound."""
+    return verdict(value, at_most=target)
 
 
 # --- loopback (benchmarks/mirrored.py) --------------------------------------------------------------------------------
@@ -125,7 +123,7 @@ def loopback_summary(records: list[dict[str, Any]], none_arm: str, warmup: int, 
     return {
         "over_none": median,
         "mean_over_none": paired(records, AUTO, none_arm, "mean_step_ms"),
-        "met": None if median is None else bool(median["median"] <= LOOPBACK_TARGET),
+        "met": is_met(median, at_most=LOOPBACK_TARGET),
         "choices": choices([r.get("auto") for r in ok(records, AUTO)], warmup, warmup + steps),
     }
 

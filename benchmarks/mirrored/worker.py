@@ -21,6 +21,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -67,6 +68,8 @@ def run_lightning(spec: dict[str, Any]) -> None:
         strategy = ds_lightning.MirroredStrategy(gradient_compression="auto", **interval)
     elif strategy == "ds_mirrored" and spec["compression"] != "none":
         strategy = ds_lightning.MirroredStrategy(gradient_compression=spec["compression"], powersgd_start_iter=2)
+    elif strategy == "ddp":  # like for like with ds_mirrored, whose default is gradient_as_bucket_view=True
+        strategy = DDPStrategy(gradient_as_bucket_view=spec.get("bucket_view", False))
     timer = StepTimer(warmup=spec["warmup"])
     trainer = quiet_trainer(
         accelerator="cpu",
@@ -94,7 +97,7 @@ def _plain_worker(rank: int, spec: dict[str, Any], port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
     workload = _workloads.build(spec["workload"], spec["hidden"])
-    model = nn.parallel.DistributedDataParallel(workload.net)
+    model = nn.parallel.DistributedDataParallel(workload.net, gradient_as_bucket_view=spec.get("bucket_view", False))
     optimizer = make_optimizer(workload.name, model.parameters())
     dataset = workload.train_set
     sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True)

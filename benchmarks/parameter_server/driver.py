@@ -214,15 +214,15 @@ class ParameterServer(harness.Benchmark):
     def targets(self, data: dict[str, Any]) -> list[list[str]]:
         s, rows = data["summary"], []
 
-        def row(label: str, value: dict[str, Any] | None, ok: bool | None, goal: str, f: str = ".2f") -> None:
-            result = {True: "PASS", False: "**MISS**", None: "no data"}[None if value is None else ok]
+        def row(label: str, value: dict[str, Any] | None, bound: dict[str, float], goal: str, f: str = ".2f") -> None:
+            result = harness.verdict(value, **bound)
             rows.append([label, goal, fmt(value, f), result])
 
         v = s[ASYNC]["samples_per_s_ratio"]
         row(
             "async throughput vs ds_mirrored under the straggler",
             v,
-            v and v["median"] >= TARGET_ASYNC_SPEEDUP,
+            {"at_least": TARGET_ASYNC_SPEEDUP},
             f">= {TARGET_ASYNC_SPEEDUP}x",
         )
         gpt = unit(data["settings"])[0] == "tokens"
@@ -232,7 +232,7 @@ class ParameterServer(harness.Benchmark):
                 row(
                     f"final validation perplexity of {LABELS[name]} vs ds_mirrored at equal tokens",
                     v,
-                    v and v["median"] <= TARGET_PPL_RATIO,
+                    {"at_most": TARGET_PPL_RATIO},
                     f"<= {TARGET_PPL_RATIO}x",
                     ".3f",
                 )
@@ -241,7 +241,7 @@ class ParameterServer(harness.Benchmark):
             row(
                 f"final accuracy of {LABELS[name]} vs ds_mirrored at equal samples",
                 v,
-                v and v["median"] >= -TARGET_ACC_POINTS,
+                {"at_least": -TARGET_ACC_POINTS},
                 f"at most {TARGET_ACC_POINTS:g} points below",
                 "+.1f",
             )
@@ -249,7 +249,7 @@ class ParameterServer(harness.Benchmark):
         row(
             "max_staleness=0 step time vs ds_mirrored, no straggler",
             v,
-            v and v["median"] <= TARGET_BSP_STEP,
+            {"at_most": TARGET_BSP_STEP},
             f"<= {TARGET_BSP_STEP}x",
         )
         return rows

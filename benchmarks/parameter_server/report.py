@@ -7,6 +7,7 @@ from typing import Any
 
 from benchmarks import harness
 from benchmarks.harness import workloads as _workloads
+from benchmarks.harness.figures import save_figure
 
 WORKERS = 2
 TARGET_ASYNC_SPEEDUP = 1.5  # async samples/s over ds_mirrored's, under the straggler
@@ -127,5 +128,4 @@ def plot(data: dict[str, Any], path: Path) -> None:
     ax3.set_ylabel("median step time, rank 0 (ms)")
     ax3.set_title("no straggler")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

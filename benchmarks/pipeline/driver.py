@@ -46,6 +46,7 @@ from benchmarks.pipeline.report import (
     LABELS,
     SCHEDULES,
     TRACE_M,
+    TRACE_P,
     config_key,
     markdown,
     runs_of,
@@ -175,7 +176,7 @@ def summarise_config(records: list[dict[str, Any]], key: str) -> dict[str, Any]:
         out["peak_bytes"] = {int(s): b for s, b in sorted(last["peak_bytes"].items(), key=lambda kv: int(kv[0]))}
         out["unit_bytes"] = {int(s): b for s, b in sorted(last["unit_bytes"].items(), key=lambda kv: int(kv[0]))}
         out["peak_units"] = {s: out["peak_bytes"][s] / out["unit_bytes"][s] for s in out["peak_bytes"]}
-        out["bubble"] = harness.spread(bubble(r["spans"]) for r in ok)
+        out["bubble"] = harness.spread(r["bubble"] if "bubble" in r else bubble(r["spans"]) for r in ok)
     if len(ok) < len(runs):
         out["errors"] = [r["error"] for r in runs if "error" in r]
     return out
@@ -187,6 +188,28 @@ def bubble(spans: list[list[Any]]) -> float | None:
         return None
     fractions = bubble_fraction(SpanRecorder.from_payload(spans))
     return statistics.median(fractions.values()) if fractions else None
+
+
+def compact_data(data: dict[str, Any]) -> dict[str, Any]:
+    """Every run's step times as quantiles and its spans as its bubble; only the runs the traces are drawn from (the
+    last good one at p=TRACE_P, m=trace_m) keep their spans, so ``--render`` redraws them."""
+    ms = sorted(data["settings"]["ms"])
+    trace_m = TRACE_M if TRACE_M in ms else max(ms)
+    traced = {config_key(impl, TRACE_P, s, trace_m) for impl in IMPLS for s in SCHEDULES}
+    keep = {
+        id((runs or [None])[-1])
+        for key in traced
+        for runs in [[c for c in runs_of(data["records"], key) if "error" not in c and c.get("spans")]]
+    }
+    for record in data["records"]:
+        for run in record.get("configs", {}).values():
+            if isinstance(run.get("step_ms"), list):
+                run["step_ms"] = harness.series(run["step_ms"])
+            if "spans" in run and "error" not in run:
+                run.setdefault("bubble", bubble(run["spans"]))
+                if id(run) not in keep:
+                    del run["spans"]
+    return data
 
 
 def formula(p: int, m: int) -> float:
@@ -271,6 +294,9 @@ class Pipeline(harness.Benchmark):
         meta = {"procs": procs, "ms": ms, "trace_m": trace_m, "workload": workload_label(st)}
         meta.update(per_step=per_step, unit=unit)
         return {"meta": meta, "single": single, "configs": configs}
+
+    def compact(self, data: dict[str, Any]) -> dict[str, Any]:
+        return compact_data(data)
 
     def report(self, data: dict[str, Any]) -> list[str]:
         return markdown(data)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from benchmarks.harness.figures import save_figure
 from ds_lightning.pipeline.trace import SpanRecorder, render_timeline_png, write_chrome_trace
 
 SCHEDULES = ("GPipe", "1F1B")
@@ -85,7 +86,7 @@ def markdown(data: dict[str, Any]) -> list[str]:
         ratio = c["ratio_ds_over_hand"]
         ratio_text = "n/a" if ratio is None else _cell(ratio, ".3f")
         if ratio is not None:
-            ratio_text = f"**{ratio_text}**" + ("" if ratio["median"] <= TARGET else " (above target)")
+            ratio_text = f"**{ratio_text}** {harness.verdict(ratio, at_most=TARGET)}"
         chunks = single.get(c["m"], {}).get("step_ms")
         lines.append(
             f"| {c['p']} | {c['schedule']} | {c['m']} | {_cell(chunks)} | {_cell(c['hand']['step_ms'])}"
@@ -248,8 +249,7 @@ def write_chart(data: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=8)
     fig.suptitle(_title("ds_pipeline vs hand-written torch pipelining", s), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -284,8 +284,7 @@ def write_memory_chart(data: dict[str, Any], path: Path) -> Path:
         ax.legend(fontsize=7, ncol=3, loc="upper center")
     fig.suptitle(_title("Peak activation memory per stage", s), fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
     return path
 
 
@@ -295,7 +294,7 @@ def write_traces(records: list[dict[str, Any]], m: int, out: Path, stem: str = "
     for impl in IMPLS:
         for schedule in SCHEDULES:
             key = config_key(impl, TRACE_P, schedule, m)
-            runs = [c for c in runs_of(records, key) if "error" not in c and c["spans"]]
+            runs = [c for c in runs_of(records, key) if "error" not in c and c.get("spans")]
             if not runs:
                 continue
             spans = SpanRecorder.from_payload(runs[-1]["spans"])

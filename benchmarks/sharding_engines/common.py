@@ -79,10 +79,8 @@ def ring_bytes(rank: Mapping[str, Any], world: int) -> float:
 
 
 def verdict(ratio: Mapping[str, Any] | None, limit: float | None) -> str:
-    """``PASS`` when the median ratio is within ``limit``, ``MISS`` when not, ``-`` with no figure or no target."""
-    if ratio is None or limit is None:
-        return "-"
-    return "PASS" if ratio["median"] <= limit else "MISS"
+    """The harness's verdict on a ratio against its upper ``limit``; ``-`` with no target."""
+    return "-" if limit is None else harness.verdict(ratio, at_most=limit)
 
 
 def judged(arm: Mapping[str, Any], procs: int, checks: Sequence[tuple[str, str, float | None]]) -> list[dict[str, Any]]:
@@ -126,7 +124,7 @@ def progress(record: dict[str, Any]) -> str:
     """One run's line while the benchmark runs."""
     return (
         f"{record['step_ms']:.2f} ms/step, state {record['state_bytes_max'] / 1e6:.3f} MB,"
-        f" sent {record['sent_bytes_max'] / 1e6:.3f} MB/step (largest rank)"
+        f" payload {record['sent_bytes_max'] / 1e6:.3f} MB/step (largest rank, counted)"
     )
 
 

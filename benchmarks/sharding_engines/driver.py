@@ -7,10 +7,10 @@ windows of 128 tokens per process). Three engines at each N, interleaved and rep
 (DistributedDataParallel, the whole optimizer on every rank), ``zero`` (DistributedDataParallel and torch's
 ``ZeroRedundancyOptimizer``, as ``ds_lightning.sharding`` wraps it) and ``fsdp`` (FSDP2 ``fully_shard`` with
 ``reshard_after_forward=False`` on the units ``MirroredStrategy(sharding_engine="fsdp2")`` shards, then the root).
-Read per run: every rank's optimizer-state bytes and counted bytes sent per step, rank 0's median step, and the
+Read per run: every rank's optimizer-state bytes and payload bytes per step (counted), rank 0's median step, and the
 largest difference of the final parameters from the ``ddp`` run of the same repeat (same seed, same batches). Issue
 16's targets, engine / ddp of the same repeat: state <= 0.55x at 2 ranks and <= 0.30x at 4, step time <= 1.10x,
-bytes sent <= 1.1x.
+payload bytes <= 1.1x.
 
     python benchmarks/sharding_engines.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
         [--procs 2 4] [--steps 100] [--warmup 10] [--batch-size 32] [--gpt-layers 4 --gpt-heads 4 ...]
@@ -103,7 +103,7 @@ def targets(summary: Mapping[str, Any], procs: list[int]) -> list[dict[str, Any]
                 ("optimizer-state bytes, largest rank", "state_mb_max", STATE_TARGETS.get(n)),
                 ("step time (rank 0's median)", "step_ms", STEP_TARGET),
                 ("payload handed to collectives, largest rank", "sent_mb_max", BYTES_TARGET),
-                ("bytes sent under a ring model, largest rank", "ring_mb_max", BYTES_TARGET),
+                ("payload bytes under a ring model, largest rank", "ring_mb_max", BYTES_TARGET),
             )
             judged = _sharding_common.judged(summary.get(arm_name(engine, n), {}), n, checks)
             out += [{"engine": engine, **t} for t in judged]
@@ -164,7 +164,7 @@ class ShardingEngines(harness.Benchmark):
             self,
             data,
             out,
-            Panel("ring_mb_max", "sent per step, ring model (MB, counted)", "ring_mb_max_ratio"),
+            Panel("ring_mb_max", "payload per step, ring model (MB, counted)", "ring_mb_max_ratio"),
             f"Sharding engines on the {workload_label(data)}",
             {a: COLORS[a.split("_")[0]] for a in data["arms"]},
         )

@@ -11,7 +11,7 @@ the ranks (gloo, 1 thread each), and each trains the same batches from the same 
   (the MLP's linear layers; the GPT's embedding, blocks, last norm and head), then on the root, and the optimizer over
   the sharded parameters: the units ``MirroredStrategy(sharding_engine="fsdp2")`` shards.
 
-At the end every rank reads its figures (optimizer-state bytes, counted bytes sent per step, peak RSS); rank 0
+At the end every rank reads its figures (optimizer-state bytes, payload bytes per step, counted, peak RSS); rank 0
 gathers them (a collective every rank joins) and writes ``result.json`` with its step times, and, when the spec names a
 ``params_path``, the final parameters (whole, flattened in ``parameters()`` order) for the parity check.
 """
