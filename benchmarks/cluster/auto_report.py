@@ -1,7 +1,7 @@
 """Part 1 of the cluster benchmark, ``gradient_compression="auto"``: its step time at each shaped link against the best
 fixed setting there, its accuracy (digits) or perplexity (GPT) against the compression verdict's bounds, and what it
-chose. ``benchmarks/cluster.py`` calls :func:`summarise_auto` and :func:`auto_markdown`; the runs are part 1's rounds
-(auto interleaved with the fixed settings) and ``_cluster_compression.run_auto_accuracy`` (one long run per link).
+chose. ``driver.py`` calls :func:`summarise_auto` and :func:`auto_markdown`; the runs are part 1's rounds
+(auto interleaved with the fixed settings) and ``compression.run_auto_accuracy`` (one long run per link).
 
 The best fixed setting at a link is the fastest there (median over the repeats) among the settings the verdict admits:
 accuracy within ``ACC_TOLERANCE_POINTS`` of none's (digits), or perplexity at most ``1 + PPL_TOLERANCE`` times none's

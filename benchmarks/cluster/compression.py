@@ -1,6 +1,6 @@
 """Part 1 of the cluster benchmark: ds_mirrored's ``gradient_compression`` settings on shaped links, on the digits MLP
 or the GPT (``--model``); its configurations, worker spec, per-run reading, rounds, the unshaped accuracy (digits) or
-perplexity (GPT) run, the summary and the verdict. ``benchmarks/cluster.py`` drives it.
+perplexity (GPT) run, the summary and the verdict. ``driver.py`` drives it.
 """
 
 from __future__ import annotations
@@ -259,7 +259,7 @@ def verdict(comp: dict[str, Any], accuracy: dict[str, Any]) -> dict[str, Any]:
     best, value, excluded = None, None, {}
     for name, v in link.items():
         s = v["speedup_over_none"]
-        if name in ("none", AUTO) or s is None:  # auto is judged on its own (_cluster_auto_report.py)
+        if name in ("none", AUTO) or s is None:  # auto is judged on its own (cluster/auto_report.py)
             continue
         acc = accuracy.get(name, {}).get("final_acc")
         if base is None or acc is None or 100 * (base - acc) > ACC_TOLERANCE_POINTS:
@@ -298,7 +298,7 @@ def ppl_verdict(comp: dict[str, Any], perplexity: dict[str, Any], configs: list[
     best, value, excluded = None, None, {}
     for name, v in comp.get(TARGET_LINK, {}).items():
         s = v["speedup_over_none"]
-        if name in ("none", AUTO) or s is None:  # auto is judged on its own (_cluster_auto_report.py)
+        if name in ("none", AUTO) or s is None:  # auto is judged on its own (cluster/auto_report.py)
             continue
         if not within(name):
             r = ratio(name)

@@ -24,7 +24,7 @@ without ``netem``, where a delay cannot be emulated). Every process runs 1 threa
    ``gradient_compression="auto"`` runs next to the fixed settings (``--auto-powersgd-rank``: digits 4, GPT 16, the
    smallest ranks the verdict admitted; 0 drops it) and is judged at each link against the best fixed setting within
    the verdict's bounds (target auto / best <= 1.10), its accuracy or perplexity from one ``--acc-steps`` run on each
-   shaped link (``_cluster_auto_report.py``).
+   shaped link (``cluster/auto_report.py``).
 2. **ds_parameter_server vs ds_mirrored on an uneven link.** Worker 0's link at 1 Gbit/s, worker 1's at 100 Mbit/s,
    the server's unshaped; 64-1024-1024-10 (1.1M parameters), batch 32 per worker, equal samples: ds_mirrored runs
    ``--ps-steps`` steps per worker, ds_parameter_server (``--ps-staleness``, default fully asynchronous) gets an update
@@ -36,7 +36,7 @@ without ``netem``, where a delay cannot be emulated). Every process runs 1 threa
 4. **Two-level all-reduce (``hierarchical``) against the flat ring**, 2 hosts x 2 processes (one TF_CONFIG task per
    host with ``Trainer(devices=2)``), both hosts' links at ``--hier-rate`` (100 Mbit/s), the digits MLP
    ``--hier-hidden`` (64-1024-1024-10), uncompressed and fp16: inter-host bytes per step read from the hosts' veths,
-   rank 0's median step, and the final parameters against the flat ring's (``_cluster_hierarchical.py``). With
+   rank 0's median step, and the final parameters against the flat ring's (``cluster/hierarchical.py``). With
    ``--model gpt --parts hierarchical``, the GPT (part 1's AdamW, 8 windows of 128 tokens per process) instead.
 
 Parts 2 and 3 always train the digits MLP; with ``--model gpt`` they, and part 4, run only when ``--parts`` names them
@@ -49,10 +49,10 @@ launch the configurations run one after the other in one process per task, the o
 per configuration: a configuration that fails or hangs is recorded as failed and the launch's remaining
 configurations are started again without it. The cluster is always torn down.
 
-The launching and link plumbing is in ``_cluster_launch.py``, part 1 in ``_cluster_compression.py``, the report in
-``_cluster_report.py``; the command line is the benchmark harness's.
+The launching and link plumbing is in ``cluster/launch.py``, part 1 in ``cluster/compression.py``, the report in
+``cluster/report.py``; the command line is the benchmark harness's.
 
-    python benchmarks/cluster.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+    python -m benchmarks.cluster.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
                                  [--steps 5] [--warmup 2] [--acc-steps 60] [--batch-size 32] [--val-windows 64]
                                  [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
                                  [--powersgd-ranks 1 4] [--powersgd-start-iter 1] [--auto-powersgd-rank 4]

@@ -1,5 +1,5 @@
 """The cluster benchmark's plumbing: shaping and probing the namespace cluster's links, and launching one process per
-TF_CONFIG task on its own host (``benchmarks/cluster.py`` holds the experiment and its reading).
+TF_CONFIG task on its own host (``driver.py`` holds the experiment and its reading).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The cluster benchmark's constants and its report: the markdown tables, the notes and the chart, all computed from
-the flat view of a finished run (``Cluster.view`` in ``benchmarks/cluster.py``), so ``--render`` needs no cluster.
+the flat view of a finished run (``Cluster.view`` in ``driver.py``), so ``--render`` needs no cluster.
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """One task of a cluster-benchmark run: a process on one network-namespace host, its role set by ``TF_CONFIG`` only.
 
-Started by ``benchmarks/cluster.py`` (``python _cluster_worker.py spec.json``) inside a host's namespace, one process
+Started by ``driver.py`` (``python worker.py spec.json``) inside a host's namespace, one process
 per TF_CONFIG task, ``Trainer(devices=1)`` (the spec's ``devices``: 2 in part 4): the strategy reads the cluster from
 TF_CONFIG and picks the interface that holds the task's address (nothing here sets ``MASTER_ADDR``, ``MASTER_PORT``
 or ``GLOO_SOCKET_IFNAME``). The spec lists configurations run one after the other in this process (the process group
 stays up between fits); their ``kind``:
 
 * ``compression``: ds_mirrored with one ``gradient_compression`` setting for ``warmup + steps`` steps, on the spec's
-  ``"workload"`` (``benchmarks/_workloads.py``: the digits classifier, or the GPT under AdamW); under ``"auto"`` the
-  record adds auto's decisions and link figures (``benchmarks/_auto_report.py``);
+  ``"workload"`` (``harness/workloads.py``: the digits classifier, or the GPT under AdamW); under ``"auto"`` the
+  record adds auto's decisions and link figures (``benchmarks/mirrored/auto.py``);
 * ``ps``: ds_mirrored for ``steps`` steps, or ds_parameter_server with an update budget of the same samples;
 * ``balance``: ds_mirrored with ``DynamicLoadBalancer`` (``interval=0``: the equal split) for some epochs;
 * ``hierarchical``: ds_mirrored with the spec's ``hierarchical`` and ``gradient_compression``, 2 processes per host;

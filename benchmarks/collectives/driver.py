@@ -10,7 +10,7 @@ one fp32 tensor of each size (``--sizes``: the digits MLP's 1,126,410 parameters
 the median over the rounds of the slowest rank's time; the harness interleaves the runs and repeats them. Each ratio
 (op / all_reduce) is taken within a run, then summarised over the repeats.
 
-    python benchmarks/collectives.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]]
+    python -m benchmarks.collectives.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]]
         [--procs 2 4] [--sizes digits gpt 10M] [--iters 20] [--warmup 3] [--timeout 300]
 """
 
@@ -42,7 +42,7 @@ def _parameters(net: torch.nn.Module) -> int:
 
 
 #: the named sizes (fp32 elements): the parameter counts of the benchmarks' two default workloads
-#: (``benchmarks/_workloads.py``), and one larger
+#: (``harness/workloads.py``), and one larger
 SIZES = {
     "digits": _parameters(make_mlp(64, [1024, 1024], 10)),
     "gpt": _parameters(GPT(**_workloads.GPT_DEFAULTS)),
@@ -172,7 +172,7 @@ def report(data: dict[str, Any]) -> list[str]:
     return [
         "# Gloo collectives: reduce-scatter and all-gather against all-reduce",
         "",
-        f"`benchmarks/collectives.py`: {' and '.join(str(n) for n in st['procs'])} CPU processes on gloo over loopback,"
+        f"`benchmarks/collectives`: {' and '.join(str(n) for n in st['procs'])} CPU processes on gloo over loopback,"
         f" 1 thread each, torch {data.get('torch', '?')}, {data.get('cpus', '?')} CPU cores; one fp32 tensor per"
         " size, padded to a multiple of N. Each run times `all_reduce`, `reduce_scatter_tensor` (whole tensor in,"
         " a 1/N shard out), `all_gather_into_tensor` (the shard in, the whole tensor out) and RS + AG back to back"

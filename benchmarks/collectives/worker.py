@@ -1,6 +1,6 @@
 """One collectives run: N CPU processes on gloo time four collectives on one tensor size, interleaved.
 
-Started by ``benchmarks/collectives.py`` with a JSON spec (``procs``, ``numel``, ``iters``, ``warmup``, ``timeout``).
+Started by ``driver.py`` with a JSON spec (``procs``, ``numel``, ``iters``, ``warmup``, ``timeout``).
 ``torch.multiprocessing`` starts the ranks (gloo over loopback, 1 thread each; the launch's environment names a free
 port). Every rank first checks that each collective computes what it should, then runs ``warmup + iters`` rounds;
 a round times every op once, in an order that varies by round (``harness.round_order``), each call after a barrier:

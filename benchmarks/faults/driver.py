@@ -12,13 +12,13 @@ Part 2, recovery: under ``ds_mirrored``, ``ds_pipeline`` and ``ds_parameter_serv
 the 1.1M MLP with a backup every ``--recovery-every`` steps; rank 0 kills its whole process group with SIGKILL at a
 step drawn per repeat between two backups (under ``--rank-kill`` strategies also: rank 1 kills only itself, and rank 0
 must notice), and the same command runs again. Part 3, the same in the network-namespace cluster (as root), one task
-per host started by TF_CONFIG alone (``_faults_netns.py``): every process of one host SIGKILLed (``Cluster.kill``) once
+per host started by TF_CONFIG alone (``netns_recovery.py``): every process of one host SIGKILLed (``Cluster.kill``) once
 rank 0 has done the step, then every task started again; the host lost is ``ds_mirrored``'s second worker,
 ``ds_pipeline``'s second stage, and ``ds_parameter_server``'s server (a chief and a worker on two other hosts).
 Recovery time is from the kill to the end of the first new training step; steps lost are the steps done before the
 kill that the new run does again.
 
-    python benchmarks/faults.py [--quick] [--repeats 2] [--out DIR] [--render [JSON]] [--parts overhead recovery]
+    python -m benchmarks.faults.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--parts overhead recovery]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def overhead_arm(model: str, every: int | None, async_save: bool = True) -> str:
 
 
 def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, Any]:
-    """Recovery figures from rank 0's stamps over a killed launch and its re-run (see ``_faults_worker.py``).
+    """Recovery figures from rank 0's stamps over a killed launch and its re-run (see ``faults/worker.py``).
 
     Returns:
         ``recovery_s`` (kill to the end of the first new step) split into ``relaunch_s`` (kill to the new process's

@@ -1,4 +1,4 @@
-"""The faults benchmark's markdown report and chart (``benchmarks/faults.py`` measures; this writes it up)."""
+"""The faults benchmark's markdown report and chart (``driver.py`` measures; this writes it up)."""
 
 from __future__ import annotations
 

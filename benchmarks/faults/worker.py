@@ -1,6 +1,6 @@
 """One fault-benchmark run: the digits MLP on 2 CPU processes with (or without) ``BackupAndRestore``.
 
-Started by ``benchmarks/faults.py`` with a JSON spec. Rank 0 appends one JSON line per event to
+Started by ``driver.py`` with a JSON spec. Rank 0 appends one JSON line per event to
 ``<stamp_dir>/stamps.jsonl`` (wall-clock ``time.time()``, so two launches line up): when its process started, when
 ``setup`` ran and training started (and at which step: a restored run starts past 0), every step's end, and a failure
 it met. With ``kill_at``, rank 0 kills its whole process group with SIGKILL (every rank, and the parameter servers,

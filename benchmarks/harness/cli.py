@@ -30,7 +30,7 @@ class Benchmark:
 
     name: str = ""
     description: str = ""
-    #: the workloads ``--model`` offers (see ``benchmarks/_workloads.py``); results of another than the first go to
+    #: the workloads ``--model`` offers (see ``harness/workloads.py``); results of another than the first go to
     #: ``<name>_<model>.*``
     models: tuple[str, ...] = ("digits",)
     #: option values of a full run; ``repeats`` among them

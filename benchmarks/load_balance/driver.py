@@ -26,7 +26,7 @@ lr 1e-3, a global batch of 16 windows of 128 tokens, 2 warm-up + 3 timed epochs 
 --quick); throughput is in tokens/s and the final figure is the validation perplexity on the first ``--val-windows``
 (32) validation windows. Results go to ``results/load_balance_gpt.*``.
 
-    python benchmarks/load_balance.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--model digits|gpt]
+    python -m benchmarks.load_balance.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--model digits|gpt]
         [--epochs 10] [--warmup-epochs 3] [--interval 3] [--global-batch 512] [--limit-train-batches N] [--lr 0.05]
         [--slowdown 2] [--delay-ms-per-sample MS] [--hidden 1024 1024] [--val-windows 32] [--timeout 600]
         [--dist-timeout 120] [--gpt-layers 4 ...]

@@ -1,6 +1,6 @@
 """One load-balance benchmark run: the spec's workload on 2 CPU processes under ds_mirrored + DynamicLoadBalancer.
 
-Started by ``benchmarks/load_balance.py`` with a JSON spec; Lightning re-runs this script for every rank. Both
+Started by ``driver.py`` with a JSON spec; Lightning re-runs this script for every rank. Both
 configurations go through the balancer's data path: ``interval=0`` keeps the equal split ``initial_shares=[1, 1]``,
 ``interval > 0`` re-divides the global batch by measured throughput. Rank ``slow_rank`` sleeps ``delay_per_sample``
 seconds per sample of its share inside ``training_step`` (so the balancer counts the sleep as compute).

@@ -1,7 +1,7 @@
 """What does optimizer-state sharding save and cost? ``MirroredStrategy(shard_optimizer_state=True)`` against plain.
 
 Every arm runs ``ds_mirrored`` on N CPU processes (gloo, 1 thread each; ``--procs``, 2 and 4) and trains the
-``--model`` workload (``benchmarks/_workloads.py``): the 64-1024-1024-10 MLP on the digits under Adam (batch 32 per
+``--model`` workload (``harness/workloads.py``): the 64-1024-1024-10 MLP on the digits under Adam (batch 32 per
 process), or the byte-level GPT on the standard library's text under AdamW (batch 8 windows of 128 tokens per
 process); plain and sharded at each N, under each ``--engines`` (``sharding_engine``: ``zero``, ``fsdp2``),
 interleaved and repeated by the harness. Read at the end of each run, on every rank: the optimizer-state bytes it holds
@@ -10,9 +10,9 @@ interleaved and repeated by the harness. Read at the end of each run, on every r
 parameters it owns), under ``fsdp2`` to FSDP2's all-gathers and reduce-scatters (counted from the shards), and its peak
 RSS; rank 0's median step time. Targets (issue 16, sharded / plain of the same repeat, the largest rank's figure):
 optimizer state <= 0.55x at 2 ranks and <= 0.30x at 4; step time <= 1.10x; payload bytes per step <= 1.1x (payloads
-handed, and under the ring model of ``benchmarks/sharding_engines.py``).
+handed, and under the ring model of ``benchmarks/sharding_engines/driver.py``).
 
-    python benchmarks/memory.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+    python -m benchmarks.memory.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
         [--procs 2 4] [--engines zero fsdp2] [--steps 100] [--warmup 10] [--batch-size 32] [--gpt-layers 4 ...]
 """
 

@@ -1,7 +1,7 @@
 """One memory-benchmark run: ds_mirrored, plain or with ``shard_optimizer_state=True``, on N CPU processes.
 
-Started by ``benchmarks/memory.py`` with a JSON spec (``procs``, ``sharded``, ``engine``: ``"zero"`` or ``"fsdp2"``,
-the ``"workload"``: the digits MLP under Adam, or the GPT under AdamW; ``benchmarks/_workloads.py``). Lightning's
+Started by ``driver.py`` with a JSON spec (``procs``, ``sharded``, ``engine``: ``"zero"`` or ``"fsdp2"``,
+the ``"workload"``: the digits MLP under Adam, or the GPT under AdamW; ``harness/workloads.py``). Lightning's
 launcher runs this script once per rank. At the end of training every rank reads its own figures (optimizer-state
 bytes, peak RSS, the bytes it hands to the gradient all-reduce and, under ``zero``, to ``ZeroRedundancyOptimizer``'s
 parameter broadcasts, or under ``fsdp2`` to FSDP2's all-gathers and reduce-scatters); rank 0 gathers them (a

@@ -113,7 +113,7 @@ def met_text(value: dict[str, Any] | None, target: float) -> str:
     return verdict(value, at_most=target)
 
 
-# --- loopback (benchmarks/mirrored.py) --------------------------------------------------------------------------------
+# --- loopback (mirrored/driver.py) ------------------------------------------------------------------------------------
 
 
 def loopback_summary(records: list[dict[str, Any]], none_arm: str, warmup: int, steps: int) -> dict[str, Any]:

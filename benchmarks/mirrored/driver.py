@@ -1,7 +1,7 @@
 """How fast is ds_mirrored? Against Lightning's ddp and a plain torch DDP loop, and per gradient_compression setting.
 
 Every arm runs on 2 CPU processes (gloo, 1 thread each) and trains the ``--model`` workload
-(``benchmarks/_workloads.py``): the 64-1024-1024-10 MLP on the digits (SGD, batch 32 per process), or the byte-level
+(``harness/workloads.py``): the 64-1024-1024-10 MLP on the digits (SGD, batch 32 per process), or the byte-level
 GPT on the standard library's text (AdamW, batch 8 windows of 128 tokens per process); the benchmark harness
 interleaves the arms and repeats them. Arms: ``ds_mirrored`` (no compression; also the ``none`` row of the compression
 table), Lightning's ``ddp``, a plain torch DDP loop, ``ds_mirrored`` with ``gradient_compression`` fp16, bf16 and
@@ -12,7 +12,7 @@ tokens on the GPT) over that step time. Targets: ds_mirrored / Lightning ddp <= 
 auto / none <= 1.05 (per repeat; the report adds what auto chose, from the strategy's recorded decisions and link
 figures, and the ratio of mean step times, which count the steps that probed the link).
 
-    python benchmarks/mirrored.py [--quick] [--model digits|gpt] [--repeats 5] [--out DIR] [--render [JSON]]
+    python -m benchmarks.mirrored.driver [--quick] [--model digits|gpt] [--repeats 5] [--out DIR] [--render [JSON]]
         [--steps 150] [--warmup 20] [--batch-size 32] [--auto-interval 500]
         [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
 """

@@ -1,7 +1,7 @@
 """One mirrored-benchmark run on 2 CPU processes: a Lightning strategy, or a plain torch DDP loop (the floor).
 
-Started by ``benchmarks/mirrored.py`` with a JSON spec; both modes train the spec's ``"workload"`` (the digits MLP with
-SGD, or the GPT with AdamW; ``benchmarks/_workloads.py``). Rank 0 writes ``result.json`` with its per-step times (the
+Started by ``driver.py`` with a JSON spec; both modes train the spec's ``"workload"`` (the digits MLP with
+SGD, or the GPT with AdamW; ``harness/workloads.py``). Rank 0 writes ``result.json`` with its per-step times (the
 harness's ``StepTimer`` for Lightning; the same span, timed by hand, for the plain loop), their median and mean over the
 timed steps, the bytes sent per step and, under ``gradient_compression="auto"``, auto's choices and link figures.
 """

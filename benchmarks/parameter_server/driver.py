@@ -23,7 +23,8 @@ samples seen come from the servers' update count. The classifier's epoch-level `
 (``sync_on_compute=False``) under every strategy: its all-gather at each epoch end would re-synchronise
 ds_parameter_server's workers once per epoch.
 
-    python benchmarks/parameter_server.py [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--model digits|gpt]
+    python -m benchmarks.parameter_server.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]]
+        [--model digits|gpt]
         [--steps 150] [--eval-every 10] [--batch 32] [--lr 0.05] [--val-windows 32] [--slowdown 3]
         [--delay-ms-per-sample MS] [--timeout 300] [--dist-timeout 120] [--gpt-layers 4 ...]
 """

@@ -1,4 +1,4 @@
-"""The straggler benchmark's arms, targets and chart (``benchmarks/parameter_server.py`` measures and reports)."""
+"""The straggler benchmark's arms, targets and chart (``driver.py`` measures and reports)."""
 
 from __future__ import annotations
 

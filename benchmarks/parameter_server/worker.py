@@ -1,6 +1,6 @@
 """One straggler-benchmark run: the spec's workload on 2 CPU workers under ds_mirrored or ds_parameter_server.
 
-Started by ``benchmarks/parameter_server.py`` with a JSON spec; Lightning re-runs this script for every worker and,
+Started by ``driver.py`` with a JSON spec; Lightning re-runs this script for every worker and,
 under ds_parameter_server, for every server process (whose ``fit`` returns once it has served). Every worker writes
 ``result.{r}.json`` into the spec's ``out_dir``: its step times, how many samples it pushed and when its training
 phase started and ended, and on rank 0 the validation curve and the final figure: accuracy on the digits' validation

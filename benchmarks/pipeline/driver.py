@@ -10,7 +10,7 @@ benchmark harness, which interleaves the launches repeat by repeat. It also meas
 to the formula (p-1)/(m+p-1)) and the peak activation memory per stage, counted with saved-tensor hooks (in units of one
 micro-batch's activations).
 
-``--model gpt`` runs the same comparison on the byte-level GPT of ``benchmarks/_workloads.py`` (batch 8 windows of
+``--model gpt`` runs the same comparison on the byte-level GPT of ``harness/workloads.py`` (batch 8 windows of
 128 tokens, cross-entropy, AdamW; the embedding on the first stage, equal runs of blocks, the final norm and head on the
 last), with throughput in tokens/s; its results go to ``pipeline_gpt.*``.
 
@@ -18,7 +18,7 @@ Besides ``pipeline.json/.md/.png`` it writes a chart of peak activation memory p
 for p=2 and m=8, a Chrome trace and a PNG timeline per schedule and implementation
 (``pipeline_trace_<impl>_<schedule>.json/.png``); under ``--model gpt`` every name starts ``pipeline_gpt``.
 
-    python benchmarks/pipeline.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+    python -m benchmarks.pipeline.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
         [--steps 40] [--warmup 5] [--procs 2 4] [--ms 1 2 4 8 16] [--batch 128] [--timeout 600] [--dist-timeout 120]
         [--gpt-layers 4] [--gpt-heads 4] [--gpt-width 128] [--gpt-block 128]
 

@@ -1,4 +1,4 @@
-"""The pipeline benchmark's tables, charts and traces (``benchmarks/pipeline.py`` measures; this writes it up)."""
+"""The pipeline benchmark's tables, charts and traces (``driver.py`` measures; this writes it up)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One launch of the pipeline benchmark: every configuration of one (implementation, processes) pair.
 
-Started by ``benchmarks/pipeline.py`` with a JSON spec; its ``"workload"`` entry picks the model: the default 8 x
-(Linear(512, 512) + ReLU) on random data (MSE, SGD), or the byte-level GPT of ``benchmarks/_workloads.py`` on text
+Started by ``driver.py`` with a JSON spec; its ``"workload"`` entry picks the model: the default 8 x
+(Linear(512, 512) + ReLU) on random data (MSE, SGD), or the byte-level GPT of ``harness/workloads.py`` on text
 windows (cross-entropy, AdamW), split into an embedding-led first stage, equal runs of blocks, and a last stage that
 ends with the final norm and the head. ``--impl single`` runs one process (forward + backward + step,
 optionally over m sequential chunks); ``hand`` spawns p ranks running a hand-written ``torch.distributed.pipelining``

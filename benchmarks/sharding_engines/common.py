@@ -1,4 +1,4 @@
-"""What the memory and sharding-engines benchmarks share (``benchmarks/memory.py``, ``sharding_engines.py``): their
+"""What the memory and sharding-engines benchmarks share (``memory/``, ``sharding_engines/``): their
 options and workload defaults, issue 16's targets and verdicts, the MB figures, the summary and pieces of the page.
 
 Both run the same workloads and the same runs (only the engine differs); this module keeps them so.

@@ -1,7 +1,7 @@
 """Which engine should shard the optimizer state? DDP + ZeroRedundancyOptimizer against FSDP2, both against plain DDP.
 
-Plain torch training loops, no Lightning (``benchmarks/_sharding_engines_worker.py``), on N CPU processes (gloo,
-1 thread each; ``--procs``, 2 and 4), training the ``--model`` workload (``benchmarks/_workloads.py``): the
+Plain torch training loops, no Lightning (``benchmarks/sharding_engines/worker.py``), on N CPU processes (gloo,
+1 thread each; ``--procs``, 2 and 4), training the ``--model`` workload (``harness/workloads.py``): the
 64-1024-1024-10 MLP on the digits under Adam (batch 32 per process), or the byte-level GPT under AdamW (batch 8
 windows of 128 tokens per process). Three engines at each N, interleaved and repeated by the harness: ``ddp``
 (DistributedDataParallel, the whole optimizer on every rank), ``zero`` (DistributedDataParallel and torch's
@@ -12,7 +12,8 @@ largest difference of the final parameters from the ``ddp`` run of the same repe
 16's targets, engine / ddp of the same repeat: state <= 0.55x at 2 ranks and <= 0.30x at 4, step time <= 1.10x,
 payload bytes <= 1.1x.
 
-    python benchmarks/sharding_engines.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+    python -m benchmarks.sharding_engines.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR]
+        [--render [JSON]]
         [--procs 2 4] [--steps 100] [--warmup 10] [--batch-size 32] [--gpt-layers 4 --gpt-heads 4 ...]
 """
 

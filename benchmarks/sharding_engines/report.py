@@ -1,4 +1,4 @@
-"""The sharding-engines benchmark's markdown page (``benchmarks/sharding_engines.py``), from its summarised JSON."""
+"""The sharding-engines benchmark's markdown page (``driver.py``), from its summarised JSON."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """One sharding-engines run: a plain torch training loop on N CPU processes under one engine.
 
-Started by ``benchmarks/sharding_engines.py`` with a JSON spec (``procs``, ``engine``, the ``"workload"``: the digits
-MLP under Adam, or the GPT under AdamW; ``benchmarks/_workloads.py``). No Lightning: ``torch.multiprocessing`` starts
+Started by ``driver.py`` with a JSON spec (``procs``, ``engine``, the ``"workload"``: the digits
+MLP under Adam, or the GPT under AdamW; ``harness/workloads.py``). No Lightning: ``torch.multiprocessing`` starts
 the ranks (gloo, 1 thread each), and each trains the same batches from the same seed under one engine:
 
 - ``ddp``: ``DistributedDataParallel`` and the whole optimizer on every rank;

@@ -1,4 +1,4 @@
-"""The auto arm's shared reading (benchmarks/_auto_report.py): what a worker records of auto's decisions, and how the
+"""The auto arm's shared reading (benchmarks/mirrored/auto.py): what a worker records of auto's decisions, and how the
 reports count the timed steps under each choice, the probes among them, and the choices over runs."""
 
 from __future__ import annotations
