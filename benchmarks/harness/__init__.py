@@ -5,16 +5,20 @@ from one run), and calls :func:`main`; see ``benchmarks/README.md``.
 """
 
 from .cli import RESULTS, Benchmark, main, stem
+from .compact import series
 from .provenance import cpu_model, provenance
 from .run import REPO, Failed, error_line, launch, package_state, run_experiment, worker_env
-from .spec import Arm, Experiment, interleave
+from .spec import Arm, Experiment, interleave, round_order
 from .summary import best_of, fmt, ok, paired, ratio_to, spread, summarise, values
+from .verdict import MIN_LAUNCHES, VERDICTS, is_met, verdict
 from .writers import FORMAT, Panel, bar_panels, markdown_table, read_json, write_json, write_markdown
 
 __all__ = [
     "FORMAT",
+    "MIN_LAUNCHES",
     "REPO",
     "RESULTS",
+    "VERDICTS",
     "Arm",
     "Benchmark",
     "Experiment",
@@ -26,6 +30,7 @@ __all__ = [
     "error_line",
     "fmt",
     "interleave",
+    "is_met",
     "launch",
     "main",
     "markdown_table",
@@ -35,11 +40,14 @@ __all__ = [
     "provenance",
     "ratio_to",
     "read_json",
+    "round_order",
     "run_experiment",
+    "series",
     "spread",
     "stem",
     "summarise",
     "values",
+    "verdict",
     "worker_env",
     "write_json",
     "write_markdown",

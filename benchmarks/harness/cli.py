@@ -31,7 +31,7 @@ class Benchmark:
 
     name: str = ""
     description: str = ""
-    #: the workloads ``--model`` offers (see ``benchmarks/_workloads.py``); results of another than the first go to
+    #: the workloads ``--model`` offers (see ``harness/workloads.py``); results of another than the first go to
     #: ``<name>_<model>.*``
     models: tuple[str, ...] = ("digits",)
     #: option values of a full run; ``repeats`` among them
@@ -72,6 +72,11 @@ class Benchmark:
     def report(self, data: dict[str, Any]) -> list[str]:
         """The markdown's lines, from ``data`` (with its ``summary``)."""
         raise NotImplementedError
+
+    def compact(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The JSON's body with per-step series summarised (:func:`harness.series`); :meth:`summarise` must give the
+        same summary from it (``--render``). The records carry per-run figures already unless a benchmark says so."""
+        return data
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
         """Write the charts into ``out``; the paths written."""
@@ -139,7 +144,7 @@ def write(bench: Benchmark, data: dict[str, Any], out: Path, json_too: bool = Tr
     name = bench.file_stem(data.get("settings", {}))
     written = []
     if json_too:
-        write_json(out / f"{name}.json", data)
+        write_json(out / f"{name}.json", bench.compact(data))
         written.append(out / f"{name}.json")
     write_markdown(out / f"{name}.md", bench.report(data))
     return [*written, out / f"{name}.md", *bench.plot(data, out)]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["Arm", "Experiment", "interleave"]
+__all__ = ["Arm", "Experiment", "interleave", "round_order"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Experiment:
         arms: the configurations, in table order.
         repeats: runs of every arm.
         baseline: the arm every ratio is taken against (per repeat), or ``None`` for no ratios.
-        rotate: start each repeat one arm later (A B C, B C A, ...), so no arm always runs first.
+        rotate: vary each repeat's order (:func:`round_order`), so no arm always runs first or beside the same arm.
 
     """
 
@@ -70,13 +72,22 @@ class Experiment:
         return [(r, self.arm(n)) for r, n in interleave([a.name for a in self.arms], self.repeats, self.rotate)]
 
 
-def interleave(names: Sequence[str], repeats: int, rotate: bool = True) -> list[tuple[int, str]]:
-    """The launch order ``(repeat, name)``: every arm once per repeat (A B A B ...), so drift in the machine's load
-    hits every arm alike; with ``rotate``, repeat r starts at arm r mod n (A B C, B C A, C A B).
+def round_order(items: Sequence[T], r: int) -> list[T]:
+    """Round ``r``'s order of ``items``: rounds come in pairs, a rotation and its reverse, and each pair rotates one
+    further (A B C, C B A, B C A, A C B, C A B, B A C; two items: A B, B A, B A, A B). Every item leads and trails, and
+    its neighbours run on both sides of it (a plain rotation keeps B after A in every round), so neither drift in the
+    machine's load nor a neighbour's after-effects (a warm cache, a busy core) favours one item.
     """
-    names = list(names)
-    order = []
-    for r in range(repeats):
-        k = r % len(names) if rotate and names else 0
-        order += [(r, n) for n in names[k:] + names[:k]]
-    return order
+    items = list(items)
+    if not items:
+        return items
+    k = (r // 2) % len(items)
+    turned = items[k:] + items[:k]
+    return turned[::-1] if r % 2 else turned
+
+
+def interleave(names: Sequence[str], repeats: int, rotate: bool = True) -> list[tuple[int, str]]:
+    """The launch order ``(repeat, name)``: every arm once per repeat, repeat r in :func:`round_order` (with
+    ``rotate``; the same order every repeat without).
+    """
+    return [(r, n) for r in range(repeats) for n in (round_order(names, r) if rotate else list(names))]

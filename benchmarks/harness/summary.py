@@ -92,10 +92,10 @@ def summarise(
 
 
 def fmt(v: Mapping[str, Any] | None, f: str = ".1f", scale: float = 1.0, iqr: bool = False) -> str:
-    """``median [min - max]`` (or ``[q1 - q3]`` with ``iqr``), scaled and formatted; ``-`` for no value."""
+    """``median [min - max]`` (or ``[q1 - q3]`` with ``iqr``), scaled and formatted; the median alone when the spread
+    vanishes at this precision (one run, or runs that agree, e.g. counted bytes); ``-`` for no value."""
     if v is None:
         return "-"
     lo, hi = ("q1", "q3") if iqr else ("min", "max")
-    if v[lo] == v[hi] == v["median"] and len(v.get("runs", ())) <= 1:
-        return f"{scale * v['median']:{f}}"
-    return f"{scale * v['median']:{f}} [{scale * v[lo]:{f}} - {scale * v[hi]:{f}}]"
+    median, low, high = (f"{scale * v[k]:{f}}" for k in ("median", lo, hi))
+    return median if low == high == median else f"{median} [{low} - {high}]"

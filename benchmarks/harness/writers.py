@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .compact import dumps
+from .figures import save_figure
 from .summary import fmt
 
 __all__ = ["FORMAT", "Panel", "bar_panels", "markdown_table", "read_json", "write_json", "write_markdown"]
@@ -17,9 +19,9 @@ FORMAT = "ds_lightning-bench/1"
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
-    """``data`` with the format tag, indented (the records are the results; keep them reviewable)."""
+    """``data`` with the format tag, a line per record (:func:`compact.dumps`: reviewable, and small)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"format": FORMAT, **data}, indent=2) + "\n")
+    path.write_text(dumps({"format": FORMAT, **data}))
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -113,5 +115,4 @@ def bar_panels(
         fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

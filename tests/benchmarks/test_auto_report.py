@@ -1,4 +1,4 @@
-"""The auto arm's shared reading (benchmarks/_auto_report.py): what a worker records of auto's decisions, and how the
+"""The auto arm's shared reading (benchmarks/mirrored/auto.py): what a worker records of auto's decisions, and how the
 reports count the timed steps under each choice, the probes among them, and the choices over runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks._auto_report import auto_reading, choice_text, choices, probes_in, timed_choices, trail
+from benchmarks.mirrored.auto import auto_reading, choice_text, choices, probes_in, timed_choices, trail
 from ds_lightning.comm.auto import AllReduceFit, AutoDecision, LinkFigures
 
 FIGURES = LinkFigures(

@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import _cluster_worker as worker
 from benchmarks import harness
-from benchmarks._cluster_auto_report import summarise_auto
-from benchmarks._cluster_compression import (
+from benchmarks.cluster import worker
+from benchmarks.cluster.auto_report import summarise_auto
+from benchmarks.cluster.compression import (
     compression_configs,
     compression_spec,
     merge_compression,
@@ -22,7 +22,8 @@ from benchmarks._cluster_compression import (
     summarise_compression,
     verdict,
 )
-from benchmarks.cluster import Cluster
+from benchmarks.cluster.driver import Cluster
+from benchmarks.harness.compact import same_figures
 
 TOKENS = 2 * 8 * 128  # two workers' batches of 8 windows of 128 tokens
 
@@ -101,9 +102,9 @@ def _configs(ranks: list[int]) -> list[dict[str, Any]]:
 
 
 def _comp(speedups: dict[str, float]) -> dict[str, Any]:
-    """A summary of the 100 Mbit/s link with these speedups over none."""
+    """A summary of the 100 Mbit/s link with these speedups over none, the same in each of 3 launches."""
     link = {"none": {"speedup_over_none": None}}
-    link |= {n: {"speedup_over_none": harness.spread([s])} for n, s in speedups.items()}
+    link |= {n: {"speedup_over_none": harness.spread([s] * 3)} for n, s in speedups.items()}
     return {"100mbit": link}
 
 
@@ -177,35 +178,43 @@ def _timed(*ms: float, auto: str | None = None) -> list[dict[str, Any]]:
 
 def test_auto_is_judged_against_the_fastest_setting_within_the_bounds_per_repeat():
     raw = {
-        "1gbit": {"none": _timed(200, 200), "fp16": _timed(150, 150), "auto": _timed(180, 170, auto="fp16")},
+        "1gbit": {
+            "none": _timed(200, 200, 200),
+            "fp16": _timed(150, 150, 150),
+            "auto": _timed(180, 170, 175, auto="fp16"),
+        },
         "100mbit": {
             "none": _timed(1000, 1000),
             "fp16": _timed(500, 520),
             "powersgd_r1": _timed(100, 90),  # the fastest, but its perplexity is 10% over none's: not a yardstick
             "powersgd_r16": _timed(200, 210),
-            "auto": [*_timed(210, auto="powersgd"), {"error": "timed out"}, *_timed(240, auto="powersgd")],
+            "auto": [*_timed(210, auto="powersgd"), {"error": "timed out"}, *_timed(240, 205, auto="powersgd")],
         },
     }
-    raw["100mbit"] = {n: (runs if n == "auto" else [*runs[:1], *runs]) for n, runs in raw["100mbit"].items()}
+    raw["100mbit"] = {
+        n: (runs if n == "auto" else [*runs[:1], *runs, *runs[-1:]]) for n, runs in raw["100mbit"].items()
+    }
     accuracy = _ppl({"none": 10.0, "fp16": 10.0, "powersgd_r1": 11.0, "powersgd_r16": 10.1})
     accuracy_auto = {"100mbit": {"final_ppl": 10.15, "steps": 6, "median_step_ms": 205.0}, "1gbit": {"error": "boom"}}
     settings = {"model": "gpt", "warmup": 1, "steps": 2}
     s = summarise_auto(summarise_compression(raw, TOKENS), raw, accuracy, accuracy_auto, settings)
     slow = s["100mbit"]
-    # Repeats 0 and 2 (repeat 1 of auto failed): 210/200 and 240/210; against the fastest of all, r1: 210/100, 240/90.
+    # Repeats 0, 2 and 3 (repeat 1 of auto failed): 210/200, 240/210 and 205/210; against the fastest of all, r1:
+    # 210/100, 240/90 and 205/90.
     assert (slow["best"], slow["fastest"]) == ("powersgd_r16", "powersgd_r1")
-    assert slow["over_best"]["runs"] == pytest.approx([1.05, 240 / 210])
-    assert slow["over_fastest"]["runs"] == pytest.approx([2.1, 240 / 90])
+    assert slow["over_best"]["runs"] == pytest.approx([1.05, 240 / 210, 205 / 210])
+    assert slow["over_fastest"]["runs"] == pytest.approx([2.1, 240 / 90, 205 / 90])
     assert (slow["speed_met"], slow["accuracy_met"], slow["met"]) == (True, True, True)
-    assert slow["choices"]["final"] == {"powersgd": 2} and slow["failed_runs"] == 1
+    assert slow["choices"]["final"] == {"powersgd": 3} and slow["failed_runs"] == 1
     fast = s["1gbit"]
-    assert fast["best"] == "fp16" and fast["over_best"]["median"] == pytest.approx((1.2 + 170 / 150) / 2)
+    assert fast["best"] == "fp16" and fast["over_best"]["median"] == pytest.approx(175 / 150)
     assert (fast["speed_met"], fast["accuracy_met"], fast["met"]) == (False, None, None)
     assert fast["accuracy_error"] == "boom"
 
 
 def test_digits_auto_is_held_to_one_point_of_nones_accuracy():
-    raw = {"100mbit": {"none": _timed(1000), "powersgd_r4": _timed(160), "auto": _timed(170, auto="powersgd")}}
+    raw = {"100mbit": {"none": _timed(1000, 1000, 1000), "powersgd_r4": _timed(160, 160, 160)}}
+    raw["100mbit"]["auto"] = _timed(170, 170, 170, auto="powersgd")
     accuracy = {"none": {"final_acc": 0.90}, "powersgd_r4": {"final_acc": 0.895}}
     settings = {"warmup": 1, "steps": 2}
     for auto_acc, met in ((0.892, True), (0.88, False)):
@@ -244,8 +253,8 @@ def _gpt_data() -> dict[str, Any]:
     ppl = {"none": 10.0, "fp16": 10.01, "bf16": 10.3, "powersgd_r1": 11.0, "powersgd_r4": 10.19, "powersgd_r16": 10.05}
     raw = {
         "compression": {
-            "1gbit": {n: [_run(fast[n], mb[n], 200.0)] for n in mb},
-            "100mbit": {n: [_run(slow[n], mb[n], 200.0)] for n in mb},
+            "1gbit": {n: [_run(fast[n], mb[n], 200.0)] * 3 for n in mb},
+            "100mbit": {n: [_run(slow[n], mb[n], 200.0)] * 3 for n in mb},
         },
         "ps": {"ds_mirrored": [], "ps_async": []},
         "balance": {"equal": [], "balanced": []},
@@ -279,7 +288,7 @@ def test_render_of_a_gpt_result_reports_tokens_per_second_and_perplexity_in_gpt_
     # 2048 tokens per step: 10240 tokens/s at 200 ms, 2000 at 1024 ms; 6 perplexity steps = 12,288 tokens.
     assert "| none | 3.500 | 200 | 10240 | 1 | 1024 | 2000 | 1 | 150 | 10.000 | 1.0000x |" in md
     assert "| powersgd_r4 | 0.080 | 120 | 17067 | **1.67x** | 128 | 16000 | **8.00x** | 150 | 10.190 | 1.0190x |" in md
-    assert "within 2% of none's | >= 5x faster | powersgd_r4: 8.00x | PASS |" in md
+    assert "within 2% of none's | >= 5x faster | powersgd_r4: 8.00x | met |" in md
     assert "powersgd_r1 is left out of the verdict: its perplexity is 1.1000x none's (limit 1.02x)." in md
     assert "bf16 is left out of the verdict: its perplexity is 1.0300x none's" in md
     assert "Smallest PowerSGD rank within 2% of none's perplexity: **4** (ranks tried: 1, 4, 16)." in md
@@ -296,7 +305,7 @@ def test_render_says_when_no_powersgd_rank_stayed_within_2_percent(tmp_path: Pat
     harness.main(Cluster(), ["--render", str(tmp_path / "cluster_gpt.json"), "--model", "gpt"])
     md = (tmp_path / "cluster_gpt.md").read_text()
     assert "No PowerSGD rank tried (1, 4, 16) stayed within 2% of none's perplexity after the same tokens." in md
-    assert "within 2% of none's | >= 5x faster | fp16: 2.00x | **MISS** |" in md
+    assert "within 2% of none's | >= 5x faster | fp16: 2.00x | missed |" in md
 
 
 def test_render_of_a_gpt_result_with_auto_gives_its_own_section_and_keeps_it_out_of_the_fixed_table(tmp_path: Path):
@@ -304,23 +313,25 @@ def test_render_of_a_gpt_result_with_auto_gives_its_own_section_and_keeps_it_out
     data = _gpt_data()
     reading = {"choice": "powersgd", "decisions": [{"step": 0, "choice": "none", "probed": True}]}
     reading["decisions"].append({"step": 1, "choice": "powersgd", "probed": False})
-    data["raw"]["compression"]["1gbit"]["auto"] = [{**_run(165.0, 1.75, 200.0), "auto": {**reading, "choice": "fp16"}}]
-    data["raw"]["compression"]["100mbit"]["auto"] = [{**_run(210.0, 0.3, 200.0), "auto": reading}]
+    data["raw"]["compression"]["1gbit"]["auto"] = [
+        {**_run(165.0, 1.75, 200.0), "auto": {**reading, "choice": "fp16"}}
+    ] * 3
+    data["raw"]["compression"]["100mbit"]["auto"] = [{**_run(210.0, 0.3, 200.0), "auto": reading}] * 3
     data["accuracy_auto"] = {"1gbit": _run(160.0, 1.75, 10.02), "100mbit": {**_run(205.0, 0.3, 10.05), "auto": reading}}
     harness.write_json(tmp_path / "cluster_gpt.json", data)
     harness.main(Cluster(), ["--render", str(tmp_path / "cluster_gpt.json"), "--model", "gpt"])
     md = (tmp_path / "cluster_gpt.md").read_text()
     assert "| auto |" not in md  # not a fixed setting: no row in the fixed table, not in the 5x verdict
-    assert "within 2% of none's | >= 5x faster | powersgd_r4: 8.00x | PASS |" in md
+    assert "within 2% of none's | >= 5x faster | powersgd_r4: 8.00x | met |" in md
     assert "`MirroredStrategy(gradient_compression='auto', powersgd_rank=16, powersgd_start_iter=1)`" in md
     # 1 Gbit/s: the best within 2% is powersgd_r4 (120 ms; r1 is faster but 10% worse): 165/120 = 1.375, a miss.
     assert "| 1 Gbit/s | 165 | powersgd_r4: 120 | **1.375** | powersgd_r1: 1.500 | 10.020 (1.0020x none's) |" in md
-    assert "| **MISS** (step time) |" in md
+    assert "| missed (step time) |" in md
     # 100 Mbit/s: best powersgd_r4 at 128 ms, 210/128 = 1.64; fastest r1 at 100 ms.
     assert "| 100 Mbit/s | 210 | powersgd_r4: 128 | **1.641** | powersgd_r1: 2.100 | 10.050 (1.0050x none's) |" in md
-    assert "- 100 Mbit/s: chose powersgd in 1 of 1 runs (timed steps: powersgd 2);" in md
+    assert "- 100 Mbit/s: chose powersgd in 3 of 3 runs (timed steps: powersgd 6);" in md
     assert "step 0: none (probed), step 1: powersgd. Long run: none 1, powersgd 2 steps, 205 ms/step." in md
-    assert "- 1 Gbit/s: chose fp16 in 1 of 1 runs" in md and "auto / best (target <= 1.10)" in md
+    assert "- 1 Gbit/s: chose fp16 in 3 of 3 runs" in md and "auto / best (target <= 1.10)" in md
     assert Cluster().summarise(data)["auto"]["100mbit"]["met"] is False
 
 
@@ -345,7 +356,8 @@ def test_the_committed_digits_results_render_to_the_committed_page(tmp_path: Pat
         pytest.skip("no digits results in this checkout")
     data = json.loads(source.read_text())
     assert data["settings"].get("model", "digits") == "digits"  # results from before --model read as the digits
-    assert json.loads(json.dumps(Cluster().summarise(data))) == data["summary"]  # the same keys and figures
+    fresh = json.loads(json.dumps(Cluster().summarise(data)))
+    assert same_figures(fresh, data["summary"]) and same_figures(data["summary"], fresh)  # the JSON keeps 9 digits
     harness.main(Cluster(), ["--render", str(source), "--out", str(tmp_path)])
     lines = (tmp_path / "cluster.md").read_text().splitlines()
     assert (

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from benchmarks import harness
-from benchmarks._collectives_worker import OPS, padded, rounds, slowest
-from benchmarks.collectives import SIZES, Collectives, arm_name, reading_of, ring_bytes, size_of
+from benchmarks.collectives.driver import SIZES, Collectives, arm_name, reading_of, ring_bytes, size_of
+from benchmarks.collectives.worker import OPS, padded, rounds, slowest
 from benchmarks.harness.writers import write_json
 
 
@@ -24,7 +24,7 @@ def test_sizes_are_the_workloads_parameter_counts():
 
 def test_padding_and_rotating_rounds():
     assert padded(1_126_410, 2) == 1_126_410 and padded(1_126_410, 4) == 1_126_412
-    assert rounds(("a", "b", "c"), 4) == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert rounds(("a", "b", "c"), 4) == [["a", "b", "c"], ["c", "b", "a"], ["b", "c", "a"], ["a", "c", "b"]]
 
 
 def test_slowest_takes_each_rounds_largest_time_over_the_ranks():
@@ -85,7 +85,7 @@ def test_page_from_gloo_like_readings_says_fsdp2_pays_for_the_collectives(tmp_pa
     assert md.startswith("# Gloo collectives: reduce-scatter and all-gather against all-reduce")
     # the repeats scale every time by 1 and 1.2: medians 1.1x, spreads [1 - 1.2]x; the ratios are the same in both
     row = "| digits, 4 procs | 1,126,412 | 4.40 [4.00 - 4.80] | 8.80 [8.00 - 9.60] | 2.20 [2.00 - 2.40] |"
-    ratios = "2.00 [2.00 - 2.00] | 0.50 [0.50 - 0.50] | 2.50 [2.50 - 2.50]"
+    ratios = "2.00 | 0.50 | 2.50"
     assert f"{row} 11.00 [10.00 - 12.00] | {ratios} | 6.60 [6.00 - 7.20] |" in md
     assert "| 1000, 2 procs | 1,000 |" in md
     assert "| digits, 2 procs | 4.51 / 2.25 / 2.25 / 4.51 |" in md

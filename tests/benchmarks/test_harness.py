@@ -12,10 +12,72 @@ from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, Panel
 
 
-def test_interleave_alternates_arms_and_rotates_the_first():
-    assert harness.interleave(["A", "B"], 3) == [(0, "A"), (0, "B"), (1, "B"), (1, "A"), (2, "A"), (2, "B")]
-    assert [n for _, n in harness.interleave(["A", "B", "C"], 3)] == list("ABCBCACAB")
+def test_interleave_alternates_arms_and_varies_each_rounds_order():
+    assert harness.interleave(["A", "B"], 4) == [
+        (0, "A"),
+        (0, "B"),
+        (1, "B"),
+        (1, "A"),
+        (2, "B"),
+        (2, "A"),
+        (3, "A"),
+        (3, "B"),
+    ]
+    assert [n for _, n in harness.interleave(["A", "B", "C"], 3)] == list("ABCCBABCA")
     assert [n for _, n in harness.interleave(["A", "B"], 2, rotate=False)] == list("ABAB")
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_round_order_varies_leader_and_neighbours(n: int):
+    """Over 2n rounds every arm leads and trails, and whatever arm runs right after another also runs right before it
+    in some round; a plain rotation (A B C, B C A, C A B) keeps B right after A in every round: the control."""
+    arms = [chr(ord("A") + i) for i in range(n)]
+
+    def pairs(rounds: list[list[str]]) -> set[tuple[str, str]]:
+        return {(r[i], r[i + 1]) for r in rounds for i in range(n - 1)}
+
+    rounds = [harness.round_order(arms, r) for r in range(2 * n)]
+    assert all(sorted(r) == arms for r in rounds)
+    assert {r[0] for r in rounds} == {r[-1] for r in rounds} == set(arms)
+    assert all((b, a) in pairs(rounds) for a, b in pairs(rounds))
+    rotation = [arms[r % n :] + arms[: r % n] for r in range(2 * n)]
+    assert n == 2 or not all((b, a) in pairs(rotation) for a, b in pairs(rotation))  # two arms: a rotation swaps
+
+
+def test_round_order_of_three_covers_every_permutation_in_six_rounds():
+    orders = {"".join(harness.round_order("ABC", r)) for r in range(6)}
+    assert orders == {"ABC", "ACB", "BAC", "BCA", "CAB", "CBA"}
+    assert harness.round_order([], 3) == []
+
+
+def _launches(*xs: float) -> dict:
+    return harness.spread(xs)
+
+
+@pytest.mark.parametrize(
+    ("runs", "bound", "expected"),
+    [
+        ((1.00, 1.02, 1.04), {"at_most": 1.05}, "met"),
+        ((1.03, 1.07, 1.09), {"at_most": 1.05}, "within noise"),  # median over, the spread reaches under
+        ((1.06, 1.07, 1.09), {"at_most": 1.05}, "missed"),
+        ((1.6, 1.7, 1.8), {"at_least": 1.5}, "met"),
+        ((1.4, 1.45, 1.55), {"at_least": 1.5}, "within noise"),
+        ((1.2, 1.3, 1.4), {"at_least": 1.5}, "missed"),
+        ((1.00, 1.01), {"at_most": 1.05}, "not judged"),  # fewer than 3 launches
+        ((), {"at_most": 1.05}, "no data"),
+    ],
+)
+def test_verdict_rule(runs: tuple, bound: dict, expected: str):
+    value = _launches(*runs)
+    assert harness.verdict(value, **bound) == expected
+    assert harness.is_met(value, **bound) == {"met": True, "within noise": False, "missed": False}.get(expected)
+
+
+def test_verdict_needs_exactly_one_bound():
+    with pytest.raises(ValueError, match="exactly one"):
+        harness.verdict(_launches(1, 2, 3))
+    with pytest.raises(ValueError, match="exactly one"):
+        harness.verdict(_launches(1, 2, 3), at_most=1, at_least=0)
 
 
 def test_experiment_order_and_validation():
@@ -75,6 +137,9 @@ def test_fmt():
     assert harness.fmt(harness.spread([1.0, 2.0, 4.0]), ".1f") == "2.0 [1.0 - 4.0]"
     assert harness.fmt(harness.spread([1.0, 2.0, 3.0, 4.0, 100.0]), ".0f", iqr=True) == "3 [2 - 4]"
     assert harness.fmt(harness.spread([0.5]), ".0f", scale=100) == "50"
+    assert harness.fmt(harness.spread([1.5, 1.5, 1.5]), ".2f") == "1.50"  # a nil spread is the value alone
+    assert harness.fmt(harness.spread([1.1, 1.1000000000000001, 1.1]), ".3f") == "1.100"  # nil at this precision
+    assert harness.fmt(harness.spread([1.1, 1.1, 1.2]), ".2f") == "1.10 [1.10 - 1.20]"
     assert harness.fmt(None) == "-"
 
 

@@ -3,6 +3,7 @@ real launch of each implementation on a tiny GPT (2 gloo processes)."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -10,10 +11,10 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks import _pipeline_worker as worker
 from benchmarks import harness
 from benchmarks.harness.cli import parser, resolve
-from benchmarks.pipeline import Pipeline, config_key, run_launches
+from benchmarks.pipeline import worker
+from benchmarks.pipeline.driver import Pipeline, config_key, run_launches
 
 TINY_GPT = {"model": "gpt", "n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 16}
 
@@ -83,7 +84,7 @@ def _config(step_ms: float, peaks: list[int], unit: int, cpu_ms: float | None = 
 def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
     mb = 2**20
     records = []
-    for repeat in range(1):
+    for repeat in range(3):
         records += [
             {
                 "arm": "single",
@@ -101,7 +102,7 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
                 "configs": {config_key("ds", 2, "GPipe", 1): _config(100, [2 * mb, 3 * mb], 2 * mb, cpu_ms=230)},
             },
         ]
-    settings = {"model": "gpt", "procs": [2], "ms": [1], "batch": 8, "steps": 10, "warmup": 4, "repeats": 1}
+    settings = {"model": "gpt", "procs": [2], "ms": [1], "batch": 8, "steps": 10, "warmup": 4, "repeats": 3}
     settings.update(trace_steps=3, gpt_layers=4, gpt_heads=4, gpt_width=128, gpt_block=128)
     data = {"benchmark": "pipeline", "settings": settings, "records": records, "cpus": 2, "seconds": 60}
     harness.write_json(tmp_path / "pipeline_gpt.json", data)
@@ -111,7 +112,7 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
     assert "1,024 tokens per step" in md
     assert "5,120 tokens/s" in md  # single process: 8 x 128 tokens in 200 ms
     # hand 125 ms -> 8,192 tokens/s, ds 100 ms -> 10,240 tokens/s, ratio 0.8
-    assert "| 2 | GPipe | 1 | 200.0 | 125.0 | 100.0 | 8,192 | 10,240 | **0.800** |" in md
+    assert "| 2 | GPipe | 1 | 200.0 | 125.0 | 100.0 | 8,192 | 10,240 | **0.800** met |" in md
     assert "| 2 | GPipe | 1 | 2.00 / 3.00 | 2.00 / 3.00 | 1.00 / 1.50 | 1.00 / 1.50 | 1 / 1 |" in md
     # CPU per step, ranks summed: ds - hand = +20 ms, +10 per rank; the 2-core floor is half of each sum
     assert "Single process, whole batch: 190.0 ms." in md
@@ -150,3 +151,38 @@ def test_tiny_gpt_runs_both_schedules_with_activations_per_stage(impl: str, tmp_
         assert result["cpu_ms"] > 0  # both ranks' CPU per timed step, summed
         units = [result["peak_bytes"][str(s)] / result["unit_bytes"][str(s)] for s in range(2)]
         assert units == pytest.approx(expected), (schedule, units)
+
+
+def _spans(shift: int) -> list[list[Any]]:
+    """Two ranks' forward and backward of one micro-batch in one step: rank 1 idles while rank 0 works, and back."""
+    ms = 1_000_000
+    return [
+        [0, 0, "forward", 0, 1, 0, 10 * ms],
+        [1, 1, "forward", 0, 1, 10 * ms, (20 + shift) * ms],
+        [1, 1, "backward", 0, 1, (20 + shift) * ms, (40 + shift) * ms],
+        [0, 0, "backward", 0, 1, (40 + shift) * ms, (60 + shift) * ms],
+    ]
+
+
+def test_compaction_keeps_the_summary_and_only_the_traced_runs_spans():
+    """Step times become quantiles, spans a bubble figure; the summary from the compact records is the same, and the
+    last good run of the traced configuration keeps its spans (``--render`` draws the traces from it)."""
+    traced, other = config_key("ds", 2, "GPipe", 2), config_key("ds", 2, "GPipe", 1)  # m=2: the largest m traced
+    records = []
+    for repeat in range(3):
+        configs = {}
+        for key in (traced, other):
+            cfg = _config(100.0 + repeat, [2**20, 2**20], 2**20)
+            cfg.update(step_ms=[100.0 + repeat + i for i in range(20)], spans=_spans(repeat))
+            configs[key] = cfg
+        records.append({"arm": "ds p=2", "repeat": repeat, "configs": configs})
+    settings = {"model": "digits", "procs": [2], "ms": [1, 2], "batch": 128, "repeats": 3}
+    data = {"benchmark": "pipeline", "settings": settings, "records": records}
+    before = Pipeline().summarise(copy.deepcopy(data))
+    compact = Pipeline().compact(copy.deepcopy(data))
+    assert json.loads(json.dumps(Pipeline().summarise(compact))) == json.loads(json.dumps(before))
+    assert before["configs"][0]["ds"]["bubble"]["runs"][0] == pytest.approx(0.5)  # 30 of 60 ms idle per rank
+    runs = [r["configs"] for r in compact["records"]]
+    assert all(r[other]["step_ms"]["n"] == 20 and "spans" not in r[other] for r in runs)
+    assert ["spans" in r[traced] for r in runs] == [False, False, True]
+    assert all(r[traced]["bubble"] is not None for r in runs)

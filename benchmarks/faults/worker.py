@@ -1,0 +1,187 @@
+"""One fault-benchmark run: the digits MLP on 2 CPU processes with (or without) ``BackupAndRestore``.
+
+Started by ``driver.py`` with a JSON spec. Rank 0 appends one JSON line per event to
+``<stamp_dir>/stamps.jsonl`` (wall-clock ``time.time()``, so two launches line up): when its process started, when
+``setup`` ran and training started (and at which step: a restored run starts past 0), every step's end, and a failure
+it met. With ``kill_at``, rank 0 kills its whole process group with SIGKILL (every rank, and the parameter servers,
+which the chief starts in its group) at the end of that step; with ``kill_rank``, that rank kills only itself. A
+``killed`` marker stops a later launch from killing again: the re-run is the same command. A run that ends writes
+``result.json`` into ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import time
+
+PROCESS_START = time.time()  # before the imports: a restart pays for them
+
+import itertools  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from lightning.pytorch.callbacks import Callback  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import ds_lightning  # noqa: E402
+from benchmarks.harness.trainer import quiet_trainer  # noqa: E402
+from ds_lightning.callbacks import BackupAndRestore  # noqa: E402
+from ds_lightning.demos import DigitsClassifier, DigitsDataModule  # noqa: E402
+
+IMPORTED = time.time()
+
+
+class Stamps(Callback):
+    """Rank 0's clock: every step's end (``perf_counter``, for step intervals), and events as JSON lines.
+
+    Args:
+        stamp_dir: where ``stamps.jsonl`` goes; ``None`` for no file and no kill.
+        kill_at: the step at whose end to kill (once: the ``killed`` marker).
+        kill_rank: ``None`` to kill every process (rank 0 kills its process group), or the one rank that kills
+            itself (the others meet its absence in their next collective).
+
+    """
+
+    def __init__(self, stamp_dir: str | None, kill_at: int | None, kill_rank: int | None = None) -> None:
+        self.path = Path(stamp_dir, "stamps.jsonl") if stamp_dir else None
+        self.kill_at = kill_at
+        self.kill_rank = kill_rank
+        self.ends: list[float] = []
+        self.first_step: int | None = None
+
+    def _note(self, trainer: pl.Trainer, event: str, any_rank: bool = False, **extra: Any) -> None:
+        if self.path is None or (trainer.global_rank != 0 and not any_rank):
+            return
+        line = {"event": event, "t": time.time(), "pid": os.getpid(), "step": trainer.global_step, **extra}
+        with self.path.open("a") as f:  # one write per line: a kill leaves whole lines behind
+            f.write(json.dumps(line) + "\n")
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # The process group is up; BackupAndRestore's own setup (which reads the backup) runs after this one.
+        self._note(trainer, "process_start", t_process=PROCESS_START, t_imported=IMPORTED)
+        self._note(trainer, "setup")
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.first_step = trainer.global_step
+        self._note(trainer, "train_start")
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._note(trainer, "failed", error=f"{type(exception).__name__}: {exception}"[:300])
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ends.append(time.perf_counter())
+        if self.path is None:
+            return
+        self._note(trainer, "step")
+        marker = self.path.parent / "killed"
+        if self.kill_at is None or trainer.global_step < self.kill_at or marker.exists():
+            return
+        if self.kill_rank is None and trainer.global_rank == 0:
+            marker.write_text(str(trainer.global_step))
+            self._note(trainer, "kill")
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+        elif self.kill_rank == trainer.global_rank:
+            marker.write_text(str(trainer.global_step))
+            self._note(trainer, "kill", any_rank=True, rank=trainer.global_rank)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _timed(fn: Any, into: list[float]) -> Any:
+    """``fn``, with each call's duration (ms) appended to ``into``."""
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(1000 * (time.perf_counter() - start))
+
+    return wrapper
+
+
+def _instrument(callback: Any) -> dict[str, list[float]]:
+    """Time BackupAndRestore's save on the loop, and its file write (in the thread when async), by wrapping them."""
+    times: dict[str, list[float]] = {"save_ms": [], "write_ms": []}
+    callback.save = _timed(callback.save, times["save_ms"])
+    store = getattr(callback, "_store", None)  # instrumentation only: the file write lives in the store
+    if store is not None:
+        store.write = _timed(store.write, times["write_ms"])
+    return times
+
+
+def _strategy(spec: dict[str, Any]) -> Any:
+    timeout = spec["dist_timeout"]
+    if spec["strategy"] == "ds_mirrored":
+        return ds_lightning.MirroredStrategy(timeout=timeout)
+    if spec["strategy"] == "ds_pipeline":
+        return ds_lightning.PipelineStrategy(n_microbatches=2, timeout=timeout)
+    if spec["strategy"] == "ds_parameter_server":
+        return ds_lightning.ParameterServerStrategy(max_staleness=0, num_servers=1, timeout=timeout)
+    raise ValueError(f"strategy={spec['strategy']!r}: choose ds_mirrored, ds_pipeline or ds_parameter_server")
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    torch.set_num_threads(1)
+    pl.seed_everything(spec["seed"], verbose=False)
+    callbacks: list[Callback] = []
+    stamps = Stamps(spec.get("stamp_dir"), spec.get("kill_at"), spec.get("kill_rank"))
+    callbacks.append(stamps)
+    times: dict[str, list[float]] = {}
+    backup = spec.get("backup")
+    if backup:
+        kwargs = {"every_n_train_steps": backup["every"], "keep": 2, "async_save": backup["async"]}
+        callbacks.append(BackupAndRestore(spec["backup_dir"], **kwargs))
+        times = _instrument(callbacks[-1])
+    data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
+    data.setup("fit")
+    assert data.train_set is not None
+    trainer = quiet_trainer(
+        accelerator="cpu",
+        devices=spec.get("devices", 2),  # 1 per task in the namespace cluster, where TF_CONFIG gives the rest
+        strategy=_strategy(spec),
+        max_steps=spec["max_steps"],
+        callbacks=callbacks,
+    )
+    loader = DataLoader(data.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
+    model = DigitsClassifier(hidden_sizes=spec["hidden"], lr=0.01)
+    model.train_acc.sync_on_compute = False  # nothing reads it; no collective at every epoch end
+    trainer.fit(model, train_dataloaders=loader)  # no ckpt_path: BackupAndRestore resumes on its own
+    if getattr(trainer.strategy, "is_server", False):
+        sys.stdout.flush()
+        os._exit(0)
+    if trainer.global_rank != 0:
+        return
+    ends = stamps.ends
+    intervals = [1000 * (b - a) for a, b in itertools.pairwise(ends)]
+    warmup = spec.get("warmup", 0)
+    timed = intervals[warmup:]
+    record = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "first_step": stamps.first_step,
+        "last_step": trainer.global_step,
+        "step_ms": intervals,
+        "warmup": warmup,
+        # Step end to step end: the backup's blocking part is inside, wherever the callback runs it.
+        "mean_step_ms": statistics.fmean(timed) if timed else None,
+        "median_step_ms": statistics.median(timed) if timed else None,
+        "max_step_ms": max(timed) if timed else None,
+        "backups": sorted(p.name for p in Path(spec["backup_dir"]).glob("*.ckpt")) if backup else [],
+        # Rank 0's time in BackupAndRestore.save (what the loop waits for) and in writing each file.
+        **{k: statistics.median(v) if v else None for k, v in times.items()},
+        **{f"{k}_all": v for k, v in times.items()},
+        "backups_taken": getattr(callbacks[-1], "backups_taken", None) if backup else 0,
+    }
+    Path(spec["out_dir"], "result.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,45 @@
+"""The one verdict rule: a target is met only when the median over at least three launches meets it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["MIN_LAUNCHES", "VERDICTS", "is_met", "verdict"]
+
+#: launches per arm a verdict rests on; fewer (a ``--quick`` run) are reported but not judged
+MIN_LAUNCHES = 3
+#: every verdict :func:`verdict` gives, best first
+VERDICTS = ("met", "within noise", "missed", "not judged", "no data")
+
+
+def verdict(value: Mapping[str, Any] | None, at_most: float | None = None, at_least: float | None = None) -> str:
+    """Judge a spread over launches (:func:`harness.spread`: ``median``, ``min``, ``max``, ``runs``) against a target.
+
+    ``"met"`` when the median meets the target; ``"within noise"`` when it does not but the target lies inside the
+    launches' min-max spread (the miss is no larger than the noise); ``"missed"`` otherwise. ``"not judged"`` with
+    fewer than :data:`MIN_LAUNCHES` launches, ``"no data"`` without a value.
+
+    Args:
+        value: the figure's spread across launches (one value per launch, e.g. a per-repeat ratio).
+        at_most: the target is an upper bound (e.g. a step-time ratio <= 1.05).
+        at_least: the target is a lower bound (e.g. a speed-up >= 1.5).
+
+    """
+    if (at_most is None) == (at_least is None):
+        raise ValueError(f"verdict(at_most={at_most}, at_least={at_least}): give exactly one of the two bounds.")
+    if not value:
+        return "no data"
+    if len(value.get("runs", ())) < MIN_LAUNCHES:
+        return "not judged"
+    target = at_most if at_most is not None else at_least
+    median = value["median"]
+    if (median <= target) if at_most is not None else (median >= target):
+        return "met"
+    return "within noise" if value["min"] <= target <= value["max"] else "missed"
+
+
+def is_met(value: Mapping[str, Any] | None, at_most: float | None = None, at_least: float | None = None) -> bool | None:
+    """The verdict as the JSON's ``met`` flag: ``True`` only for ``"met"``, ``None`` without data or launches."""
+    v = verdict(value, at_most, at_least)
+    return None if v in ("no data", "not judged") else v == "met"
