@@ -40,7 +40,7 @@ test-gpu: setup
 	  print(f'test-gpu: {n} CUDA device(s), torch {torch.__version__}, CUDA build {torch.version.cuda}'); \
 	  sys.exit(0 if n else 'test-gpu: FAILED: no CUDA device is visible (torch.cuda.is_available() is False)')"
 	DS_LIGHTNING_REQUIRE_CUDA=1 $(PY) -m pytest -m cuda tests/gpu $(PYTEST_ARGS)
-	$(PY) benchmarks/precision.py --quick
+	$(PY) -m benchmarks.precision.driver --quick
 
 test-versions: setup
 	bash .ci/versions
@@ -72,7 +72,7 @@ $(DOCS_STAMP): $(STAMP)
 # estimate in benchmarks/README.md. The cluster targets need root; without it they print why they
 # are skipped and succeed.
 BENCH_TARGETS := bench-mirrored bench-mirrored-gpt bench-pipeline bench-pipeline-gpt bench-ps bench-ps-gpt \
-	bench-balance bench-balance-gpt bench-precision bench-precision-gpt bench-memory bench-memory-gpt bench-sharding \
+	bench-balance bench-balance-gpt bench-precision bench-precision-gpt bench-precision-ops bench-memory bench-memory-gpt bench-sharding \
 	bench-sharding-gpt bench-collectives bench-faults bench-cluster bench-cluster-gpt bench-cluster-hierarchical \
 	bench-cluster-hierarchical-gpt
 .PHONY: $(BENCH_TARGETS)
@@ -96,12 +96,16 @@ $(addprefix bench-,mirrored pipeline ps balance memory sharding collectives faul
 $(addprefix bench-,$(addsuffix -gpt,mirrored pipeline ps balance memory sharding)): bench-%-gpt: setup
 	$(PY) -m benchmarks.$(call bench_folder,$*).driver --model gpt
 
-# MixedPrecision (benchmarks/precision.py stays at the top level for now)
+# MixedPrecision: fp32 against bf16, fp16 and auto
 bench-precision: setup
-	$(PY) benchmarks/precision.py
+	$(PY) -m benchmarks.precision.driver
 
 bench-precision-gpt: setup
-	$(PY) benchmarks/precision.py --model gpt
+	$(PY) -m benchmarks.precision.driver --model gpt
+
+# torch.profiler op by op, fp32 against bf16, on the GPT (no harness JSON: a markdown table)
+bench-precision-ops: setup
+	$(PY) -m benchmarks.precision.ops
 
 # The network-namespace cluster (root): parts 1-3, the GPT's part 1, and part 4 (two-level all-reduce) on both
 bench-cluster: setup cluster-tools

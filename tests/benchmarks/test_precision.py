@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from benchmarks import harness, precision_ops
+from benchmarks import harness
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.precision import AUTO_TARGET, LABELS, Precision, verdict
+from benchmarks.precision import ops as precision_ops
+from benchmarks.precision.driver import AUTO_TARGET, LABELS, Precision, verdict
 
 
 def _opts(*argv: str) -> argparse.Namespace:

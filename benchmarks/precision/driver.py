@@ -1,6 +1,6 @@
 """Is MixedPrecision("auto") ever slower than fp32? And what do bf16 and fp16 do to step time and memory?
 
-Trains the ``--model`` workload (``benchmarks/_workloads.py``): the digits classifier (``DigitsClassifier``,
+Trains the ``--model`` workload (``benchmarks/harness/workloads.py``): the digits classifier (``DigitsClassifier``,
 64-1024-1024-10 by default, SGD lr 0.05 momentum 0.9, batch 256) or the demo ``GPT`` (AdamW lr 3e-4, batch 8 windows of
 128 tokens) on the standard library's text, in one process (1 thread on CPU; the GPU when CUDA is available, unless
 ``--accelerator cpu``), once per arm and launch: *fp32* (no callback), *auto* (``MixedPrecision("auto")``: it times
@@ -22,7 +22,7 @@ start to batch end), median over the steps after the warm-up. Peak memory: on CP
 backward in one step (each storage once, parameters excluded), split into activations and autocast's low-precision
 weight copies. Ratios are per launch against that launch's fp32 run.
 
-    python benchmarks/precision.py [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+    python -m benchmarks.precision.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
         [--steps 20 (GPT: 10)] [--warmup 3 (GPT: 2)] [--batch-size 256 (GPT: 8)] [--hidden 1024 1024]
         [--configs fp32 auto bf16 (CUDA: and fp16)] [--accelerator auto|cpu|cuda]
         [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
@@ -38,12 +38,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import _workloads, harness
+from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, Panel, fmt
+from benchmarks.harness import workloads as _workloads
 
-WORKER = Path(__file__).resolve().parent / "_precision_worker.py"
+WORKER = Path(__file__).resolve().parent / "worker.py"
 LR = 0.05
 BASE = "fp32"
 CONFIGS = ("fp32", "auto", "bf16", "fp16")

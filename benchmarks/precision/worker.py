@@ -1,15 +1,15 @@
 """One precision-benchmark run: the spec's workload in one process, in fp32 or under ``MixedPrecision``.
 
-The workload (``benchmarks/_workloads.py``) is the digits classifier (``DigitsClassifier`` on the digits' training
-split, as before the GPT) or the demo ``GPT`` LightningModule (AdamW) on the windows of :func:`_workloads.build`.
+The workload (``benchmarks/harness/workloads.py``) is the digits classifier (``DigitsClassifier`` on the digits'
+training split) or the demo ``GPT`` LightningModule (AdamW) on the windows of :func:`_workloads.build`.
 
-Started by ``benchmarks/precision.py`` with a JSON spec, in a fresh process per run so that the peak resident set size
-belongs to this run alone. Writes ``result.json``: every step's time and loss (the harness's ``StepTimer``), the peak
-memory (on CPU the growth of the process's peak RSS over ``fit``; on CUDA the peak of
-``torch.cuda.max_memory_allocated`` during ``fit``), and the bytes autograd saved for backward per step (counted with
-saved-tensor hooks: the activations, and apart from them autocast's low-precision weight copies; parameters excluded),
-and under ``MixedPrecision("auto")`` what it measured and chose, and how long its measuring took (inside the first
-step, which is a warm-up step: the timer starts before the callback measures).
+Started by ``benchmarks/precision/driver.py`` with a JSON spec, in a fresh process per run so that the peak resident
+set size belongs to this run alone. Writes ``result.json``: every step's time and loss (the harness's
+``StepTimer``), the peak memory (on CPU the growth of the process's peak RSS over ``fit``; on CUDA the peak of
+``torch.cuda.max_memory_allocated`` during ``fit``), and the bytes autograd saved for backward per step (counted
+with saved-tensor hooks: the activations, and apart from them autocast's low-precision weight copies; parameters
+excluded), and under ``MixedPrecision("auto")`` what it measured and chose, and how long its measuring took (inside
+the first step, which is a warm-up step: the timer starts before the callback measures).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks import _workloads
+from benchmarks.harness import workloads as _workloads
 from benchmarks.harness.timing import StepTimer
 from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.callbacks import MixedPrecision

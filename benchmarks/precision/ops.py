@@ -6,7 +6,7 @@ does), after 3 warm-up steps each. The table gives each op's self CPU time per s
 the repeats, for the ops that take the most time in either precision. The profiler adds overhead to every op, so the
 totals are above ``precision.py``'s step times; the comparison between the two columns is what this is for.
 
-    python benchmarks/precision_ops.py [--repeats 3] [--steps 5] [--top 10] [--out DIR]
+    python -m benchmarks.precision.ops [--repeats 3] [--steps 5] [--top 10] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -68,7 +68,7 @@ def main() -> None:
     lines = [
         "# Where a GPT step's CPU time goes: fp32 against bf16 autocast",
         "",
-        f"`benchmarks/precision_ops.py`: one process, 1 thread, {torch.__version__}, the demo GPT (0.9M parameters),"
+        f"`benchmarks/precision/ops.py`: one process, 1 thread, {torch.__version__}, the demo GPT (0.9M parameters),"
         f" batch 8 x 128 tokens, AdamW; {opts.steps} profiled steps per run after 3 warm-up steps, {opts.repeats}"
         " interleaved repeats; self CPU time per step (torch.profiler, which adds its own overhead to every op),"
         " median over repeats.",
