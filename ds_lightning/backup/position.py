@@ -15,7 +15,17 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-__all__ = ["draw_as_the_next_epoch_starts", "move_batch_counters", "random_states", "set_random_states"]
+__all__ = [
+    "attach_loader_states",
+    "detach_loader_states",
+    "draw_as_the_next_epoch_starts",
+    "move_batch_counters",
+    "random_states",
+    "set_random_states",
+]
+
+#: where Lightning's fit loop keeps the state of the training loaders that have one, in a checkpoint
+_LOADER_STATES = ("loops", "fit_loop", "state_dict", "combined_loader")
 
 
 def random_states() -> dict[str, Any]:
@@ -80,3 +90,32 @@ def _leaves(loaders: Any) -> Iterator[DataLoader]:
     elif isinstance(loaders, (list, tuple)):
         for value in loaders:
             yield from _leaves(value)
+
+
+def _fit_loop_state(checkpoint: dict[str, Any]) -> dict[str, Any] | None:
+    node: Any = checkpoint
+    for key in _LOADER_STATES[:-1]:
+        node = node.get(key) if isinstance(node, dict) else None
+    return node if isinstance(node, dict) else None
+
+
+def detach_loader_states(checkpoint: dict[str, Any], ours: bool) -> list[Any] | None:
+    """Take the training loaders' states out of Lightning's part of ``checkpoint`` when ``ours`` (ours alone made them).
+
+    A ds strategy under ``BackupAndRestore`` trains from a loader with a state (its order's seed, for a warning), and
+    Lightning refuses to resume a checkpoint holding loader states into a Trainer whose loaders have none ("The
+    CombinedLoader has 0 stateful loaders, but found 1 states"): a plain one-device Trainer without the callback. Kept
+    beside the callback's own entry instead, the checkpoint loads anywhere, and :func:`attach_loader_states` puts it
+    back for a Trainer that has the callback.
+    """
+    loop = _fit_loop_state(checkpoint)
+    if not ours or loop is None or _LOADER_STATES[-1] not in loop:
+        return None
+    return loop.pop(_LOADER_STATES[-1])
+
+
+def attach_loader_states(checkpoint: dict[str, Any], states: list[Any] | None) -> None:
+    """Hand :func:`detach_loader_states`' states back to Lightning's fit loop before it restores them."""
+    loop = _fit_loop_state(checkpoint)
+    if states and loop is not None and _LOADER_STATES[-1] not in loop:
+        loop[_LOADER_STATES[-1]] = states

@@ -19,6 +19,8 @@ from typing_extensions import override
 from ds_lightning import _validation as check
 from ds_lightning.backup.agreement import StepAgreement
 from ds_lightning.backup.position import (
+    attach_loader_states,
+    detach_loader_states,
     draw_as_the_next_epoch_starts,
     move_batch_counters,
     random_states,
@@ -28,7 +30,7 @@ from ds_lightning.backup.preemption import PreemptionWatch
 from ds_lightning.backup.store import BackupStore
 from ds_lightning.backup.writer import BackupWriter
 from ds_lightning.callbacks._batch_geometry import data_parallel_size, samples_per_micro_step
-from ds_lightning.data.resumable import DataCursor, position_under
+from ds_lightning.data.resumable import DataCursor, ResumableDataLoader, position_under
 from ds_lightning.strategies.capabilities import capabilities_of
 
 __all__ = ["BackupAndRestore"]
@@ -175,6 +177,7 @@ class BackupAndRestore(Callback):
         saved = checkpoint.get(CHECKPOINT_KEY)
         if not self._active or saved is None:
             return
+        attach_loader_states(checkpoint, saved.get("loader_states"))
         self._restored = saved
         if not saved["epoch_complete"]:
             self._cursor.resume_at(saved["epoch"], saved["samples"])
@@ -235,6 +238,8 @@ class BackupAndRestore(Callback):
             "micro_batch_samples": per_step,
             "world_size": data_parallel_size(trainer),
             "random_states": _gather(trainer, random_states()),
+            # Out of Lightning's part, so that a Trainer without this callback loads the checkpoint too.
+            "loader_states": detach_loader_states(checkpoint, _trains_from_ours(trainer.train_dataloader)),
         }
 
     # --- taking backups ----------------------------------------------------------------------------------------------
@@ -352,3 +357,9 @@ def _collective(trainer: pl.Trainer) -> bool:
     """Whether the ranks agree on flags (not under the parameter server, whose workers act on their own)."""
     strategy = trainer.strategy
     return capabilities_of(strategy).agrees_over_default_group and dist.is_initialized() and trainer.world_size > 1
+
+
+def _trains_from_ours(loader: object) -> bool:
+    """Whether the training loader is our resumable one (or ds_mirrored's even-batches wrapper around it)."""
+    inner = getattr(loader, "dataloader", None)
+    return isinstance(loader, ResumableDataLoader) or isinstance(inner, ResumableDataLoader)

@@ -273,6 +273,48 @@ def test_a_backup_restores_under_the_strategy_and_devices_picked_on_restart(
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("loader_states", ["apart", "in_lightnings_part"])
+def test_a_backup_loads_into_a_plain_trainer_without_the_callback(
+    tmp_path: Path, mirrored_cut: Path, loader_states: str
+) -> None:
+    """``Trainer(devices=1).fit(ckpt_path=backup)`` with no ds callback or strategy, on a plain DataLoader: the backup
+    resumes at its step. Control: the loader states put back where Lightning keeps them (as backups were written
+    before) stop it with Lightning's "0 stateful loaders" error."""
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader
+
+    path = BackupStore(mirrored_cut / "cut_backups", keep=1).latest()
+    assert path is not None
+    checkpoint = torch.load(path, weights_only=True)
+    assert checkpoint[CHECKPOINT_KEY]["loader_states"], "the backup's loader states were not kept apart"
+    assert "combined_loader" not in checkpoint["loops"]["fit_loop"]["state_dict"]
+    if loader_states == "in_lightnings_part":
+        checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = checkpoint[CHECKPOINT_KEY]["loader_states"]
+    ckpt = tmp_path / "backup.ckpt"
+    torch.save(checkpoint, ckpt)
+    steps_run: list[int] = []
+
+    class CountSteps(pl.Callback):
+        def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+            steps_run.append(trainer.global_step)
+
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=2, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path, callbacks=[CountSteps()],
+    )  # fmt: skip
+    loader = DataLoader(make_data(N), batch_size=16)
+    if loader_states == "in_lightnings_part":
+        with pytest.raises(RuntimeError, match="0 stateful loaders"):
+            trainer.fit(Net(), loader, ckpt_path=ckpt)
+        return
+    trainer.fit(Net(), loader, ckpt_path=ckpt)
+    assert checkpoint["global_step"] == 3
+    # Resumed at step 3: the run's 12 steps in all, of which this fit ran the last 9 (from step 0 it would run 12).
+    assert trainer.global_step == 2 * N // 16
+    assert steps_run == list(range(4, 13))
+
+
+@pytest.mark.multiprocess
 def test_mirrored_resumes_from_an_epochs_end_onto_more_processes(
     tmp_path: Path, mirrored_reference: tuple[Path, str], pair: WarmRanks
 ) -> None:
