@@ -78,8 +78,8 @@ def _torchrun(config: Path, *options: str) -> str:
     env = worker_env(rendezvous=False, pythonpath=[REPO])
     for variable in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(variable, None)
-    # As docs/elastic.md says to launch: a fresh store each round. With torchrun's shared agent store, a restarted
-    # round once timed out forming the servers' channel under load (not reproduced alone; see issue 14's note).
+    # As docs/fault-tolerance.md says to launch: a fresh store each round. With torchrun's shared agent store, a
+    # restarted round once timed out forming the servers' channel under load (not reproduced alone; issue 14's note).
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     cmd = [
         sys.executable,
