@@ -68,9 +68,9 @@ $(DOCS_STAMP): $(STAMP)
 	$(PY) -m pip install -q -e ".[docs]"
 	touch $(DOCS_STAMP)
 
-# One target per benchmark and workload (benchmarks/<name>/README.md); `make bench-all` runs every one in turn,
-# estimate in benchmarks/README.md. The cluster targets need root; without it they print why they
-# are skipped and succeed.
+# One target per benchmark and workload (benchmarks/<name>/README.md); `make bench-all` runs every one in turn (how
+# long each took, read from its results: docs/benchmarks.md). The cluster targets need root; without it they print why
+# they are skipped and succeed.
 BENCH_TARGETS := bench-mirrored bench-mirrored-gpt bench-pipeline bench-pipeline-gpt bench-ps bench-ps-gpt \
 	bench-balance bench-balance-gpt bench-precision bench-precision-gpt bench-precision-ops bench-memory bench-memory-gpt bench-sharding \
 	bench-sharding-gpt bench-collectives bench-faults bench-cluster bench-cluster-gpt bench-cluster-hierarchical \

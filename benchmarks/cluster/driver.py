@@ -258,7 +258,7 @@ class Cluster(harness.Benchmark):
     name = "cluster"
     description = __doc__
     models = ("digits", "gpt")
-    # Part 1's steps, batch, PowerSGD ranks and the parts depend on the workload (_cluster_compression.MODEL_DEFAULTS).
+    # Part 1's steps, batch, PowerSGD ranks and the parts depend on the workload (compression.MODEL_DEFAULTS).
     defaults = {"repeats": 3, "ps_steps": 50, "balance_epochs": 5, "balance_warmup_epochs": 3, "hier_steps": 8}
     quick = {"repeats": 1, "ps_steps": 8, "balance_epochs": 1, "balance_warmup_epochs": 1, "hier_steps": 2}
 

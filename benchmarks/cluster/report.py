@@ -62,7 +62,7 @@ def _params(n: int | None) -> str:
 
 def markdown(data: dict[str, Any], part1: list[str] | None = None, auto: list[str] | None = None) -> list[str]:
     """The tables and notes, from the flat view of :meth:`Cluster.view`; ``part1``, if given, replaces part 1's
-    section (the GPT's, from ``_cluster_compression.gpt_markdown``); ``auto`` follows part 1 (the auto arm's)."""
+    section (the GPT's, from ``compression.gpt_markdown``); ``auto`` follows part 1 (the auto arm's)."""
     setup = data["setup"]
     hidden = "-".join(str(h) for h in data["hidden"])
     ps_hidden = "-".join(str(h) for h in data["ps_hidden"])

@@ -21,10 +21,10 @@ separate launches, equal and balanced alternating repeat by repeat (the machine 
 repeats, the balanced / equal ratio per repeat and the min-max spread. Validation accuracy of the final parameters is
 measured on rank 0 after fit. The PNG plots rank 0's share and step time against the step for both configurations.
 
-With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text (``_workloads``), AdamW
-lr 1e-3, a global batch of 16 windows of 128 tokens, 2 warm-up + 3 timed epochs of 8 batches (1 + 1 of 6 with
---quick); throughput is in tokens/s and the final figure is the validation perplexity on the first ``--val-windows``
-(32) validation windows. Results go to ``results/load_balance_gpt.*``.
+With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text
+(``harness.workloads``), AdamW lr 1e-3, a global batch of 16 windows of 128 tokens, 2 warm-up + 3 timed epochs of 8
+batches (1 + 1 of 6 with --quick); throughput is in tokens/s and the final figure is the validation perplexity on the
+first ``--val-windows`` (32) validation windows. Results go to ``results/load_balance_gpt.*``.
 
     python -m benchmarks.load_balance.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--model digits|gpt]
         [--epochs 10] [--warmup-epochs 3] [--interval 3] [--global-batch 512] [--limit-train-batches N] [--lr 0.05]

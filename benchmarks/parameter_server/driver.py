@@ -7,7 +7,7 @@ training samples. Reports samples/s, validation accuracy against samples seen, a
 ds_mirrored with no straggler. Configurations run as separate launches, interleaved repeat by repeat by the benchmark
 harness (the machine is noisy); the tables give medians, ratios to ds_mirrored and the min-max spread.
 
-With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text (``_workloads``),
+With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text (``harness.workloads``),
 AdamW lr 1e-3, 8 windows of 128 tokens per worker, 30 ds_mirrored steps per worker (12 with --quick); throughput is in
 tokens/s and the final figure is the validation perplexity of rank 0's parameters on the first ``--val-windows`` (32)
 validation windows, the same windows for every arm. Results go to ``results/parameter_server_gpt.*``.

@@ -51,8 +51,17 @@ _PATTERN = re.compile(
     r"|\{\{\s*(?P<call>result|ratio|provenance)\s*\((?P<args>[^{}]*?)\)\s*\}\}",
     re.MULTILINE | re.DOTALL,
 )
-#: ``scale=`` by name: bytes to these units, or a fraction to percent points
-SCALES = {"KiB": 2**-10, "MiB": 2**-20, "GiB": 2**-30, "kB": 1e-3, "MB": 1e-6, "GB": 1e-9, "percent": 100}
+#: ``scale=`` by name: bytes to these units, a fraction to percent points, or seconds to minutes
+SCALES = {
+    "KiB": 2**-10,
+    "MiB": 2**-20,
+    "GiB": 2**-30,
+    "kB": 1e-3,
+    "MB": 1e-6,
+    "GB": 1e-9,
+    "percent": 100,
+    "minutes": 1 / 60,
+}
 PROVENANCE_FIELDS = ("commit", "date", "CPU", "cores", "torch", "Lightning")
 
 

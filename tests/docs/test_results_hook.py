@@ -85,6 +85,11 @@ def test_a_value_renders_with_its_format_scale_and_spread(hook, results):
     assert out.used == ["measured"]
 
 
+def test_a_named_scale_turns_seconds_into_minutes(hook, results):
+    text = '{{ result("measured", "summary.ds_mirrored.bytes", scale="minutes", fmt=".1f") }}'
+    assert hook.render(text, results).markdown == f"{4505640 / 60:.1f}"
+
+
 def test_a_ratio_of_two_figures_of_one_file(hook, results):
     text = '{{ ratio("measured", "summary.ds_mirrored.over_plain_ddp.min", "summary.ds_mirrored.bytes", fmt=".2e") }}'
     assert hook.render(text, results).markdown == f"{0.849 / 4505640:.2e}"
