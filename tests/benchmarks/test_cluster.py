@@ -73,7 +73,8 @@ def test_the_worker_builds_auto_with_the_specs_rank_start_and_interval():
     strategy = worker._strategy({**spec, "auto_interval": 7})
     assert (strategy.gradient_compression, strategy.auto_interval) == ("auto", 7)
     compressor = strategy._compressor  # what the auto state is built from at set-up
-    assert (compressor.powersgd_rank, compressor.powersgd_start_iter) == (16, 1)
+    options = compressor.method.options
+    assert (options.powersgd_rank, options.powersgd_start_iter) == (16, 1)
     assert worker._strategy(spec).auto_interval == 500  # the strategy's default when the spec sets none
 
 
