@@ -2,7 +2,7 @@
 
 Usage: ``NODE_RANK=n python -m tests.helpers.hierarchical_run OUT HIERARCHICAL COMPRESSION`` (``HIERARCHICAL`` is
 ``auto``, ``true`` or ``false``); Lightning starts the host's second process. Each rank writes ``OUT.rank{r}.pt`` with
-the final parameters and the strategy's ``comm_bytes_per_step``.
+the initial and final parameters and the strategy's ``comm_bytes_per_step``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,14 @@ STEPS = 4
 class Record(Callback):
     def __init__(self, out: str) -> None:
         self.out = out
+        self.initial: list[torch.Tensor] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.initial = [p.detach().clone() for p in pl_module.parameters()]
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         record = {
+            "initial": self.initial,
             "params": [p.detach().clone() for p in pl_module.parameters()],
             "bytes": trainer.strategy.comm_bytes_per_step,
             "node_rank": trainer.node_rank,
