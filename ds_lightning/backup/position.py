@@ -20,7 +20,7 @@ __all__ = ["draw_as_the_next_epoch_starts", "move_batch_counters", "random_state
 
 def random_states() -> dict[str, Any]:
     """This process's random states, as tensors and plain numbers (they load with ``weights_only=True``)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),
