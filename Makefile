@@ -59,6 +59,7 @@ cluster-tools:
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 # The site goes to site/; --strict makes a broken link or an unresolved API reference fail the build.
 docs: $(DOCS_STAMP)
@@ -121,4 +122,4 @@ bench-cluster-hierarchical-gpt: setup cluster-tools
 	$(PY) -m benchmarks.cluster.driver --model gpt --parts hierarchical
 
 clean:
-	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache
+	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache .mypy_cache

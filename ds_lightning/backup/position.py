@@ -30,7 +30,7 @@ _LOADER_STATES = ("loops", "fit_loop", "state_dict", "combined_loader")
 
 def random_states() -> dict[str, Any]:
     """This process's random states, as tensors and plain numbers (they load with ``weights_only=True``)."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()  # type: ignore[misc]
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": random.getstate(),

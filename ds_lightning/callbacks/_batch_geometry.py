@@ -50,5 +50,5 @@ def samples_per_micro_step(trainer: Any, who: str) -> int:
     """
     for callback in trainer.callbacks:
         if isinstance(callback, DynamicLoadBalancer) and callback.plan is not None:
-            return callback.global_batch_size
+            return callback.plan.global_batch_size  # also when the balancer read it from the DataLoader
     return per_device_batch_size(trainer, who) * data_parallel_size(trainer)

@@ -144,7 +144,8 @@ class BackupAndRestore(Callback):
         if not self._active:
             return
         # Run after every other callback, so a backup holds what they recorded for the step.
-        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]
+        # Lightning's callback connector sets Trainer.callbacks (a list), which the Trainer class does not declare.
+        trainer.callbacks = [c for c in trainer.callbacks if c is not self] + [self]  # type: ignore[attr-defined]
         if hasattr(strategy, "data_cursor"):
             strategy.data_cursor = self._cursor
         else:  # Lightning's own strategies (the default one-device strategy, ddp): the same order, positioned here

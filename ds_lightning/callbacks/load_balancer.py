@@ -126,11 +126,11 @@ class DynamicLoadBalancer(Callback):
                 f"DynamicLoadBalancer(initial_shares={self.initial_shares}) names {len(self.initial_shares)} ranks,"
                 f" but this run has {world}; give one share per rank."
             )
-        self.plan, self._world, self._strategy, self._rank = None, world, strategy, strategy.global_rank
+        self.plan, self._world, self._strategy, self._rank = None, world, strategy, trainer.global_rank
         self.batches, self._epoch_start, self._seen, self._pending_state = 0, 0, 0, None
         if self.global_batch_size is not None:
             self.plan = self._make_plan(self.global_batch_size)
-        strategy.balance_batches(self._train_loader)
+        self._strategy.balance_batches(self._train_loader)  # weights_rank_gradients promises it
 
     def _make_plan(self, global_batch_size: int) -> SharePlan:
         world = self._world
@@ -179,7 +179,9 @@ class DynamicLoadBalancer(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # A run restored mid-epoch gets no on_train_epoch_start: its epoch began this many batches ago.
-        self._epoch_start = self.batches - trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        # Lightning builds `current` as a _ProcessedTracker but declares its base class, which lacks `processed`.
+        processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
+        self._epoch_start = self.batches - processed
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -138,7 +138,7 @@ class LRScaling(Callback):
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
-        every = trainer.log_every_n_steps
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector
         if not trainer.optimizers or not every or (trainer.global_step + 1) % every:
             return  # log only on the steps the loggers write: self.log costs about 1 ms
         lr = float(trainer.optimizers[0].param_groups[0]["lr"]) * self.warmup_factor(trainer.global_step)

@@ -233,7 +233,7 @@ class MixedPrecision(Callback):
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        every = trainer.log_every_n_steps
+        every = trainer.log_every_n_steps  # type: ignore[attr-defined]  # set by Lightning's logger connector
         plugin = self.plugin
         if plugin is None or plugin.scaler is None or not every or trainer.global_step % every:
             return

@@ -120,6 +120,7 @@ def resumable_loader(loader: Any, rank: int, world_size: int, cursor: DataCursor
             stacklevel=2,
         )
         return loader
+    assert dataset is not None  # a DataLoader always has one
     shuffle, seed = _order_of(loader)
     plan = SharePlan(size * world_size, world_size, min_share=0.0, ema=1.0, hysteresis=0.0)
     sampler = ShareBatchSampler(len(dataset), plan, rank, shuffle=shuffle, seed=seed, first_batch=_zero)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import lightning.pytorch as pl
 import torch
@@ -152,7 +153,7 @@ class GPT(pl.LightningModule):
                 nn.init.zeros_(module.bias)
         # Each block adds two branches to the residual stream; scaling them keeps its variance flat with depth.
         for block in blocks:
-            for out in (block.attn.proj.weight, block.mlp[2].weight):
+            for out in (block.attn.proj.weight, cast(nn.Linear, block.mlp[2]).weight):
                 nn.init.normal_(out, mean=0.0, std=0.02 / math.sqrt(2 * n_layer))
 
     @override

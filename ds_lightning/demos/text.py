@@ -6,7 +6,7 @@ import functools
 import hashlib
 import os
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Sequence, Sized
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -94,7 +94,7 @@ class _EpochShuffle(RandomSampler):
     in its place (seeded by ``seed_everything``).
     """
 
-    def __init__(self, data_source: Dataset, seed: int) -> None:
+    def __init__(self, data_source: Sized, seed: int) -> None:
         super().__init__(data_source)
         self.seed = seed
         self.epoch = 0

@@ -70,7 +70,7 @@ def bound_listener(host: str, port: int, spans_hosts: bool) -> socket.socket | N
     except OSError as error:
         _on_all_interfaces("MASTER_ADDR=%r does not resolve on rank 0 (%s).", host, error)
         return None
-    addresses = sorted({info[4][0] for info in infos})
+    addresses = sorted({str(info[4][0]) for info in infos})
     if len(addresses) > 1:
         _on_all_interfaces(
             "MASTER_ADDR=%r resolves to several addresses on rank 0 (%s); set it to one of them to bind the store.",

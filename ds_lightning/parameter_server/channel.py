@@ -64,7 +64,7 @@ def connect_servers(
     address, port = store_address(tf)
     timeout = timedelta(seconds=timeout_seconds)
     store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, missing from torch's stubs
     options._timeout = timeout
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host or own_host(tf, server_index))]
     # torchrun's shared store outlives a restart of the group: the restarted processes must not read the old keys.

@@ -30,12 +30,20 @@ class LiveWorkerCollectives:
     and :meth:`_ask_who_is_gone`, and sets ``_training`` while ``fit`` trains.
     """
 
-    is_server: bool
-    num_workers: int
     max_updates: int | None
     timeout_seconds: float
     lightning_module: Any
     _training: bool = False
+
+    @property
+    def is_server(self) -> bool:
+        """Whether this process serves parameters instead of training."""
+        raise NotImplementedError
+
+    @property
+    def num_workers(self) -> int:
+        """Training processes in the run."""
+        raise NotImplementedError
 
     def _ask_who_is_gone(self) -> list[int] | None:
         """The workers the servers saw leave, or ``None`` when there are no servers to ask."""

@@ -13,7 +13,7 @@ single-device ``optimizer.state_dict()`` format, and split again, in :mod:`ds_li
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -149,7 +149,8 @@ class ShardOptimizer:
         template._opt_called = True  # type: ignore[attr-defined]  # it never steps; the schedulers need not warn
         # Every group carries all hyperparameters; the defaults are not passed because some classes (AdamW) store
         # keys there that their constructor does not take.
-        self.optimizer = type(template)([{"params": params, **h} for params, h in zip(groups, hyper, strict=True)])
+        build: Callable[..., torch.optim.Optimizer] = type(template)  # the subclass's own constructor, not Optimizer's
+        self.optimizer = build([{"params": params, **h} for params, h in zip(groups, hyper, strict=True)])
 
     def sync_hyperparameters(self) -> None:
         """Copy the template's current hyperparameters (what the LR schedulers set) into the shard optimizer."""

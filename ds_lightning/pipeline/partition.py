@@ -23,7 +23,7 @@ def check_balance(balance: object, n_stages: int | None = None) -> list[int] | L
 
     """
     if balance is None or balance == "auto":
-        return balance  # type: ignore[return-value]
+        return balance
     example = f"balance={[1] * n_stages}" if n_stages else "balance=[3, 2]"
     if isinstance(balance, str) or not isinstance(balance, Sequence):
         raise ValueError(

@@ -102,7 +102,7 @@ class PipelineRuntime:
     def _broadcast(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
         return dist.broadcast(tensor, src=self._output_source, group=self.groups.output, async_op=async_op)
 
-    def _learn_output_meta(self, output: torch.Tensor | None, pipeline: _Pipeline) -> None:
+    def _learn_output_meta(self, output: torch.Tensor | None, pipeline: _Pipeline) -> tuple[list[int], torch.dtype]:
         """On a pipeline's first run, tell every stage the output's shape and dtype (fixed per input shape after)."""
         header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
         valid = isinstance(output, torch.Tensor) and output.dim() <= _HEADER - 2 and output.dtype in _DTYPES
@@ -120,6 +120,7 @@ class PipelineRuntime:
                 f"the last stage returned {type(output).__name__ if pipeline.has_last else 'something else'}."
             )
         pipeline.output_meta = (header[2 : 2 + int(header[0])].tolist(), _DTYPES[int(header[1])])
+        return pipeline.output_meta
 
     def _run(self, pipeline: _Pipeline, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
         """Run the schedule and return the last stage's output on every stage of the pipeline."""
@@ -136,12 +137,12 @@ class PipelineRuntime:
         run = pipeline.schedule.eval if target is None else pipeline.schedule.step
         output = run(*args, **kwargs)
         if pipeline.output_meta is None:
-            self._learn_output_meta(output, pipeline)
-            shape, dtype = pipeline.output_meta  # type: ignore[misc]
+            shape, dtype = self._learn_output_meta(output, pipeline)
             received = None if pipeline.has_last else torch.empty(shape, dtype=dtype, device=self.device)
             if received is not None:
                 pending = self._broadcast(received, async_op=True)
         if pipeline.has_last:
+            assert pipeline.output_meta is not None  # learnt above on the first run
             shape, dtype = pipeline.output_meta
             if list(output.shape) != shape or output.dtype != dtype:
                 raise RuntimeError(

@@ -100,12 +100,12 @@ class TracedStage(PipelineStage):
             return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     @override
-    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, full_backward: bool = True, **kwargs: Any) -> Any:
+    def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self._recorder is None or not self.has_backward:
-            return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
-        kind = "backward" if full_backward else "backward_input"
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
+        kind = "backward" if kwargs.get("full_backward", True) else "backward_input"  # torch's schedules pass keywords
         with self._recorder.span(kind, self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, full_backward=full_backward, **kwargs)
+            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)
 
     @override
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:

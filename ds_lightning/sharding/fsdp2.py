@@ -192,7 +192,7 @@ def load_full_optimizer_states(
         while hasattr(optimizer, "_optimizer"):
             optimizer = optimizer._optimizer
         if not state.get("state"):
-            optimizer.load_state_dict(state)  # nothing to shard: options (lr, betas) only
+            optimizer.load_state_dict(dict(state))  # nothing to shard: options (lr, betas) only
             continue
         named = named_state(state, module, optimizer)
         set_optimizer_state_dict(module, optimizer, named, options=StateDictOptions(full_state_dict=True))

@@ -126,7 +126,8 @@ def _mark_step_for_schedulers(optimizer: ZeroRedundancyOptimizer) -> None:
     @functools.wraps(step)
     def counted_step(*args: Any, **kwargs: Any) -> Any:
         target = owner()
-        target._opt_called = True  # type: ignore[union-attr]
+        assert target is not None  # the optimizer is alive: it is the one calling its step
+        target._opt_called = True  # type: ignore[attr-defined]  # the mark torch's LR schedulers read
         return step(target, *args, **kwargs)
 
     counted_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
@@ -179,7 +180,7 @@ def consolidated_state(optimizer: Optimizer, writer: bool) -> dict[str, Any]:
         return {}
     state = optimizer.state_dict()
     # torch keeps the gathered shards until the next consolidation: a second copy of the state on rank 0.
-    optimizer._all_state_dicts = []
+    optimizer._all_state_dicts = []  # type: ignore[attr-defined]  # torch's private attribute, absent from its types
     state["state"] = {index: value for index, value in state["state"].items() if value is not None}
     return state
 

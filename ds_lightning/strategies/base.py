@@ -141,6 +141,8 @@ class ClusterStrategy(DDPStrategy):
 
     """
 
+    #: The name each subclass registers under (``ds_mirrored``, ...), also used in its error messages.
+    strategy_name: ClassVar[str]
     #: Whether ``TF_CONFIG`` ``ps`` tasks belong to this strategy (the parameter server sets it).
     serves_parameters: ClassVar[bool] = False
     #: What callbacks may ask of this strategy (see :mod:`ds_lightning.strategies.capabilities`); a subclass
@@ -308,7 +310,8 @@ class ClusterStrategy(DDPStrategy):
             return
         loaders = trainer.test_dataloaders if trainer.testing else trainer.val_dataloaders
         limit = trainer.limit_test_batches if trainer.testing else trainer.limit_val_batches
-        cap = trainer.num_sanity_val_steps if trainer.sanity_checking else limit if isinstance(limit, int) else None
+        steps = trainer.num_sanity_val_steps if trainer.sanity_checking else limit
+        cap = steps if isinstance(steps, int) else None  # a float: a fraction of the batches, or inf for all of them
         if isinstance(loaders, dict):
             loaders = list(loaders.values())
         for loader in loaders if isinstance(loaders, (list, tuple)) else [loaders]:

@@ -32,11 +32,11 @@ __all__ = ["LayerSplitStrategy"]
 _CPU = torch.device("cpu")
 
 
-def _check_root_device(device: object, stage_devices: list[torch.device]) -> None:
+def _check_root_device(device: str | torch.device | int | None, stage_devices: list[torch.device]) -> None:
     if device is None:
         return
     try:
-        root = torch.device(device)  # type: ignore[arg-type]
+        root = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device={device!r} is not a torch device; leave it unset (the first stage's).") from err
     if root != stage_devices[0]:

@@ -171,6 +171,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         self.topk_ratio = float(topk_ratio)
         self.max_updates = max_updates
         self.min_shard_bytes = min_shard_bytes
+        assert self._timeout is not None  # ClusterStrategy puts torch's default in place of None
         self.timeout_seconds = self._timeout.total_seconds()
         self._server_index: int | None = None
         self.fitting = False  # whether this Trainer call is fit; the launcher sets it
@@ -237,7 +238,8 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
             self._server_index = int(os.environ[SERVER_ENV])
         if self._server_index is not None:
             self.cluster_environment = server_environment(self.num_workers, self._server_index)
-            rank_zero_only.rank = self.num_workers + self._server_index  # servers never log
+            # Servers never log. Lightning documents setting this attribute, which its decorator's overloads lack.
+            rank_zero_only.rank = self.num_workers + self._server_index  # type: ignore[attr-defined]
             return
         DDPStrategy.set_world_ranks(self)  # TF_CONFIG is adopted above
 
@@ -372,7 +374,7 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         model = model or self.lightning_module
         # The precision plugin still runs the closure, the callbacks and gradient clipping; only step() changes.
         pushing = PushingOptimizer(optimizer, lambda loss: step.push(loss, self._trainer()))
-        return self.precision_plugin.optimizer_step(pushing, model, closure, **kwargs)  # type: ignore[arg-type]
+        return self.precision_plugin.optimizer_step(pushing, model, closure, **kwargs)
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:

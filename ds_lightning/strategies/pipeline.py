@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -254,8 +254,8 @@ class PipelineStrategy(ClusterStrategy):
     def _split(self, trainer: Trainer, module: LightningModule) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         current = getattr(module, self.pipe_module, None)
-        reuse = isinstance(current, PipelinedSequential) and self._full is not None
-        seq = self._full if reuse else split.user_sequential(module, self.pipe_module)
+        previous = self._full if isinstance(current, PipelinedSequential) else None
+        seq = previous if previous is not None else split.user_sequential(module, self.pipe_module)
         setattr(module, self.pipe_module, seq)  # a repeated setup starts from the whole model again
         split.check_contract(module, self.pipe_module, fitting)
         balance = self.balance_used = self._resolve_balance(trainer, module, seq)
@@ -331,7 +331,9 @@ class PipelineStrategy(ClusterStrategy):
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         assert self.lightning_module is not None
-        loss = self.lightning_module.pipeline_loss(output, target)
+        # The contract split.check_contract enforces; LightningModule does not declare it.
+        pipeline_loss = cast(Callable[[torch.Tensor, torch.Tensor], torch.Tensor], self.lightning_module.pipeline_loss)
+        loss = pipeline_loss(output, target)
         trainer = self.lightning_module._trainer
         accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
         # Each micro-batch's mean loss, scaled so the summed gradients equal the whole batch's mean, divided over

@@ -8,6 +8,7 @@ Latency and bandwidth come from a least-squares line through (bytes, seconds), r
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -97,7 +98,7 @@ def probe_link(
     times = []
     for nbytes in sizes:
         tensor = torch.zeros(nbytes // 4, device=device)
-        times.append(_best_seconds(lambda t=tensor: dist.all_reduce(t, group=group), repeats, device))
+        times.append(_best_seconds(functools.partial(dist.all_reduce, tensor, group=group), repeats, device))
     half = torch.zeros(max(sizes) // 4, dtype=torch.float16, device=device)  # the largest probe's numbers, halved
     half_s = _best_seconds(lambda: dist.all_reduce(half, group=group), repeats, device)
     names = sorted(compress_s)

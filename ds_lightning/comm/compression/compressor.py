@@ -111,7 +111,7 @@ class GradientCompressor:
         return self._state if isinstance(self._state, AutoState) else None
 
     def _weighting(self, hook: Callable[[Any, dist.GradBucket], Any]) -> Callable[[Any, dist.GradBucket], Any]:
-        def weighted(state, bucket):  # unannotated: DDP checks a hook's annotations at runtime
+        def weighted(state, bucket):  # type: ignore[no-untyped-def]  # DDP checks a hook's annotations at runtime
             if bucket.is_last():
                 # The last bucket is launched once this rank's backward finished: the end of its own compute.
                 self.last_bucket_time = time.perf_counter()

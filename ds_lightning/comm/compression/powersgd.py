@@ -235,7 +235,9 @@ class PowerSGD(Compression):
         super().__init__(*args, **kwargs)
         self.state: PowerSGDState | None = None
 
-    def _state(self, group: dist.ProcessGroup | None, model: DistributedDataParallel, wire: WireLog, warmup: bool):
+    def _state(
+        self, group: dist.ProcessGroup | None, model: DistributedDataParallel, wire: WireLog, warmup: bool
+    ) -> PowerSGDState:
         options = self.options
         self.state = PowerSGDState(
             process_group=group,
