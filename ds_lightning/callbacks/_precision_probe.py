@@ -37,7 +37,6 @@ from torch import nn
 
 __all__ = [
     "MIN_MARGIN",
-    "CandidateFailed",
     "Chosen",
     "PrecisionDecision",
     "agree",
@@ -45,6 +44,7 @@ __all__ = [
     "decide",
     "logging_muted",
     "preserved",
+    "ruled_out_on_error",
     "time_candidates",
 ]
 
@@ -60,8 +60,20 @@ RunPass = Callable[[str], None]
 TimeCandidates = Callable[[RunPass, Sequence[str], int, torch.device], dict[str, list[float]]]
 
 
-class CandidateFailed(RuntimeError):
-    """A timing pass in a low precision raised (an op without a kernel for that dtype): that precision cannot win."""
+class _CandidateFailed(RuntimeError):
+    """A timing pass in a low precision raised (an op without a kernel for that dtype): that precision cannot win.
+
+    Private: :func:`time_candidates` catches it, so it never reaches a user.
+    """
+
+
+@contextlib.contextmanager
+def ruled_out_on_error(candidate: str) -> Iterator[None]:
+    """Turns a ``RuntimeError`` in ``candidate``'s timing pass into that candidate's exclusion from the timing."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise _CandidateFailed(f"{candidate}: {exc}") from exc
 
 
 def candidates_for(device: torch.device) -> tuple[Chosen, ...]:
@@ -80,7 +92,7 @@ def time_candidates(
     """Seconds of each of ``passes`` timed rounds per candidate, after one warm-up round (left out).
 
     Each round runs every candidate once, starting one candidate later than the round before. A candidate whose pass
-    raises :class:`CandidateFailed` is not run again, and all its rounds read ``inf``.
+    fails inside :func:`ruled_out_on_error` is not run again, and all its rounds read ``inf``.
     """
 
     def sync() -> None:
@@ -96,7 +108,7 @@ def time_candidates(
             start = time.perf_counter()
             try:
                 run_pass(candidate)
-            except CandidateFailed:
+            except _CandidateFailed:
                 failed.add(candidate)
                 continue
             sync()

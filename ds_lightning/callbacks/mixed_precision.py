@@ -186,10 +186,8 @@ class MixedPrecision(Callback):
                 param.grad = None  # as Lightning's zero_grad(set_to_none=True) before a step
             if name == "fp32":
                 return one_pass(contextlib.nullcontext(), scaled=False)
-            try:  # an op without a kernel for this dtype rules the precision out, not the run
+            with probe.ruled_out_on_error(name):  # an op without a kernel for this dtype rules out the precision
                 return one_pass(torch.autocast(device.type, dtype=probe.AUTOCAST_DTYPES[name]), scaled=name == "fp16")
-            except RuntimeError as exc:
-                raise probe.CandidateFailed(f"{name}: {exc}") from exc
 
         def one_pass(autocast: Any, scaled: bool) -> None:
             with autocast:
