@@ -1,3 +1,4 @@
+import gc
 import os
 
 import pytest
@@ -15,6 +16,22 @@ def _isolate_process_state():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture
+def one_rank_group():
+    """A one-process gloo group in the test's own process, destroyed after everything that used it.
+
+    A DDP model (its reducer) freed after its group was destroyed joins the group's gloo threads and can wait on them
+    forever in C++, where pytest's timeout cannot reach. The test's locals are gone by teardown; ``gc.collect()``
+    frees the ones a reference cycle keeps, and only then is the group destroyed.
+    """
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)

@@ -42,15 +42,6 @@ def test_broadcast_bytes_counts_each_owners_parameters_by_hand():
     assert broadcasts_per_step(partition, bucket_view=True) == 3
 
 
-@pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_broadcast_bytes_match_what_zero_redundancy_optimizer_broadcasts(one_rank_group, monkeypatch):
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)

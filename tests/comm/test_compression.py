@@ -60,10 +60,9 @@ def test_state_for_another_setting_is_refused():
         compressor.load_state_dict({"name": "powersgd"})
 
 
-def test_states_in_the_checkpoint_format_of_earlier_releases_still_load(tmp_path):
+def test_states_in_the_checkpoint_format_of_earlier_releases_still_load(tmp_path, one_rank_group):
     """The per-rank entries of ``checkpoint["ds_mirrored"]["compression_states"]`` as earlier releases wrote them:
     PowerSGD's keys at the top level, auto's PowerSGD memory under ``"powersgd"``. Both restore into today's methods."""
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     error, q = torch.randn(16, 8), torch.randn(8, 2)
@@ -76,20 +75,16 @@ def test_states_in_the_checkpoint_format_of_earlier_releases_still_load(tmp_path
     }
     memory = {k: v for k, v in powersgd.items() if k != "name"}
     auto = {"name": "auto", "choice": "fp16", "step": 6, "figures": figures, "powersgd": memory}
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        compressors = {}
-        for name, saved in (("powersgd", powersgd), ("auto", auto)):
-            torch.manual_seed(0)
-            model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)))
-            compressor = GradientCompressor(name, powersgd_start_iter=10)
-            compressor.register(model)
-            path = tmp_path / f"{name}.pt"
-            torch.save(saved, path)
-            compressor.load_state_dict(torch.load(path, weights_only=True))
-            compressors[name] = compressor
-    finally:
-        dist.destroy_process_group()
+    compressors = {}
+    for name, saved in (("powersgd", powersgd), ("auto", auto)):
+        torch.manual_seed(0)
+        model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)))
+        compressor = GradientCompressor(name, powersgd_start_iter=10)
+        compressor.register(model)
+        path = tmp_path / f"{name}.pt"
+        torch.save(saved, path)
+        compressor.load_state_dict(torch.load(path, weights_only=True))
+        compressors[name] = compressor
     state = compressors["powersgd"].method.state
     assert state.iter == 7 and torch.equal(state.error[0], error) and torch.equal(state.q_memory[0], q)
     restored = compressors["auto"].auto

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining import schedules as torch_schedules
@@ -203,15 +202,8 @@ class _CountingStage(PipelineStage):
         return super().backward_weight_one_chunk(*args, **kwargs)
 
 
-@pytest.fixture
-def one_process_group():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("name", V_SHAPED)
-def test_forward_only_schedule_gives_the_model_output_without_backward(name, one_process_group):
+def test_forward_only_schedule_gives_the_model_output_without_backward(name, one_rank_group):
     torch.manual_seed(0)
     parts = [nn.Sequential(nn.Linear(6, 5), nn.Tanh()), nn.Linear(5, 3)]
     x = torch.randn(8, 6)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.testing import assert_close
 
@@ -37,13 +36,12 @@ def test_auto_refuses_the_two_level_all_reduce_at_construction():
     ("compression", "hierarchical", "expected"), [("auto", "auto", False), ("fp16", "auto", "auto")]
 )
 def test_auto_compression_asks_for_the_flat_all_reduce_under_the_default_hierarchical(
-    monkeypatch, tmp_path, compression, hierarchical, expected
+    monkeypatch, one_rank_group, compression, hierarchical, expected
 ):
     """Checks the arguments only: the two-level path itself is tested on real processes elsewhere."""
     asked = []
     monkeypatch.setattr(mirrored, "host_groups", lambda setting, *args: asked.append(setting))
     monkeypatch.setattr(GradientCompressor, "register", lambda *args, **kwargs: None)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     strategy = MirroredStrategy(gradient_compression=compression, hierarchical=hierarchical)
     strategy.parallel_devices = [torch.device("cpu")]
     strategy.model = DistributedDataParallel(torch.nn.Linear(2, 2))
