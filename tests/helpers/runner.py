@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -35,6 +36,7 @@ __all__ = [
     "run_module",
     "run_ranks",
     "set_test_timeout",
+    "warm_pool",
     "worker_env",
 ]
 
@@ -194,8 +196,34 @@ def _ranks_run(codes: list[int], outputs: list[str], late: bool, timeout: float,
 
 
 def run_ranks(module: str, args: list[str], ranks: int, timeout: float = 180, env: dict[str, str] | None = None) -> Run:
-    """Run ``python -m module args`` as ``ranks`` processes started together (see :class:`Ranks`)."""
-    return Ranks(module, args, ranks, env).wait(timeout)
+    """Run ``python -m module args`` as ``ranks`` processes started together.
+
+    Each rank is forked from this session's warm pool of that size (:func:`warm_pool`): fresh processes with their own
+    pids, signals and exit codes, without paying the imports again. ``DS_LIGHTNING_TEST_COLD_RANKS=1`` starts them as
+    new interpreters instead (:class:`Ranks`), to rule the pool out when a run behaves oddly.
+    """
+    check_budget(timeout)  # before anything starts: a budget that can never apply is the test's error
+    if os.environ.get("DS_LIGHTNING_TEST_COLD_RANKS") == "1":
+        return Ranks(module, args, ranks, env).wait(timeout)
+    return warm_pool(ranks).run(module, args, timeout, env=env or worker_env())
+
+
+_pools: dict[int, WarmRanks] = {}
+
+
+def warm_pool(ranks: int) -> WarmRanks:
+    """This session's :class:`WarmRanks` of ``ranks`` processes, started on first use and closed at exit.
+
+    A pool whose processes died (a test killed one) is replaced by a fresh one.
+    """
+    pool = _pools.get(ranks)
+    if pool is not None and not pool.alive():
+        pool.close()
+        pool = None
+    if pool is None:
+        pool = _pools[ranks] = WarmRanks(ranks)
+        atexit.register(pool.close)
+    return pool
 
 
 class WarmRanks:
@@ -239,18 +267,32 @@ class WarmRanks:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def run(self, module: str, args: list[str], timeout: float = 180) -> Run:
+    def run(self, module: str, args: list[str], timeout: float = 180, env: dict[str, str] | None = None) -> Run:
         """:meth:`launch` then :meth:`wait`."""
-        self.launch(module, args)
+        self.launch(module, args, env=env)
         return self.wait(timeout)
 
-    def launch(self, module: str, args: list[str], imports_timeout: float = 180) -> None:
-        """Start ``python -m module args`` on every rank; the first run waits up to ``imports_timeout`` for imports."""
+    def alive(self) -> bool:
+        """Whether every warm process is still there to fork the next run."""
+        return all(proc.poll() is None for proc in self.procs)
+
+    def launch(
+        self, module: str, args: list[str], imports_timeout: float = 180, env: dict[str, str] | None = None
+    ) -> None:
+        """Start ``python -m module args`` on every rank; the first run waits up to ``imports_timeout`` for imports.
+
+        ``env``: the run's whole environment (as :func:`worker_env` gives it); each rank's launch variables and, unless
+        ``env`` names one, a fresh ``MASTER_PORT`` go on top. Without it, the pool's own environment with a fresh port.
+        """
         assert all(code is not None for code in self._exits), "the previous run is still going: wait for it first"
         port = str(free_port())
         self._logs = [Path(self._dir.name) / f"run{self.runs}.rank{rank}.log" for rank in range(self.size)]
-        for proc, log in zip(self.procs, self._logs, strict=True):
-            run = {"module": module, "args": args, "env": {"MASTER_PORT": port}, "log": str(log)}
+        for rank, (proc, log) in enumerate(zip(self.procs, self._logs, strict=True)):
+            run: dict[str, Any] = {"module": module, "args": args, "env": {"MASTER_PORT": port}, "log": str(log)}
+            if env is not None:
+                ranked = {"LOCAL_RANK": str(rank), "NODE_RANK": "0", "WORLD_SIZE": str(self.size)}
+                run["env"] = {"MASTER_PORT": port, **env, **ranked}
+                run["replace_env"] = True
             assert proc.stdin is not None
             proc.stdin.write(json.dumps(run) + "\n")
             proc.stdin.flush()
