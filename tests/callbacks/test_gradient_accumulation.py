@@ -121,7 +121,8 @@ def test_two_ranks_reach_a_global_batch_of_64_like_one_process_including_the_par
             f"--model.lr={lr}",
             "--model.momentum=0.0",
             f"--data.batch_size={micro}",
-        ]
+        ],
+        ranks=2,  # both ranks at once, forked warm: the subject is the training, not Lightning's launcher
     )
     reference = _reference_params(epochs, batches, micro, 2, lr)
     for rank in (0, 1):

@@ -147,7 +147,8 @@ def test_forced_uneven_shares_match_one_process_on_the_global_batch(tmp_path, ba
             ["--trainer.callbacks.interval=0", "--trainer.callbacks.initial_shares=[3, 1]", *balancer_batch],
             [f"--model.lr={lr}", *loader_batch],
             steps,
-        )
+        ),
+        ranks=2,  # both ranks at once, forked warm: the subject is the training, not Lightning's launcher
     )
     reference = _reference_params(48, steps, lr)
     for rank, size in ((0, 36), (1, 12)):
@@ -182,7 +183,8 @@ def test_shares_move_to_the_fast_rank_and_step_counts_stay_equal(tmp_path):
             f"--trainer.logger.save_dir={tmp_path / 'logs'}",
             "--trainer.log_every_n_steps=1",
             "--trainer.enable_checkpointing=true",
-        ]
+        ],
+        ranks=2,
     )
     records = [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in (0, 1)]
     assert records[0]["global_step"] == records[1]["global_step"] == steps

@@ -218,7 +218,8 @@ def warm_pool(ranks: int) -> WarmRanks:
     """
     pool = _pools.get(ranks)
     if pool is not None and not pool.alive():
-        pool.close()
+        with contextlib.suppress(Exception):  # its processes are gone: closing only frees what is left
+            pool.close()
         pool = None
     if pool is None:
         pool = _pools[ranks] = WarmRanks(ranks)

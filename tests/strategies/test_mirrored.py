@@ -106,7 +106,8 @@ def test_two_ranks_match_single_process_with_double_batch(tmp_path):
             f"--model.lr={lr}",
             "--model.momentum=0.0",
             f"--data.batch_size={batch}",
-        ]
+        ],
+        ranks=2,  # both ranks at once, forked warm: the subject is the training, not Lightning's launcher
     )
     rank0, rank1 = _load_rank(out, 0), _load_rank(out, 1)
     assert rank0["global_step"] == rank1["global_step"] == steps
@@ -191,7 +192,8 @@ def test_compressed_training_converges_on_digits(tmp_path, compression):
             f"--trainer.callbacks.output_json={report}",
             "--trainer.callbacks+=tests.helpers.callbacks.RecordWire",
             f"--trainer.callbacks.path={wire}",
-        ]
+        ],
+        ranks=2,
     )
     figures = json.loads(report.read_text())
     assert figures["val_acc"] > 0.9, figures
@@ -229,6 +231,7 @@ def test_powersgd_runs_on_gloo_with_a_large_multi_bucket_model(tmp_path):
             f"--trainer.callbacks.output_json={report}",
         ],
         timeout=240,  # under pytest's 300 s, so a hang fails here with the run's output
+        ranks=2,
     )
     figures = json.loads(report.read_text())
     assert figures["comm_bytes_per_step"] < 0.2 * figures["uncompressed_bytes_per_step"], figures
@@ -261,14 +264,14 @@ def _fit_args(tmp_path: Path, compression: str, epochs: int, out: Path) -> list[
 @pytest.mark.parametrize("compression", ["powersgd"])
 def test_resume_matches_uninterrupted_run_and_checkpoint_loads_on_one_device(tmp_path, compression):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    ds_train(_fit_args(tmp_path / "a", compression, 2, straight))
+    ds_train(_fit_args(tmp_path / "a", compression, 2, straight), ranks=2)
     (checkpoint,) = (tmp_path / "a" / "ckpt").glob("epoch=0-*.ckpt")
     saved = torch.load(checkpoint, weights_only=True)  # tensors and plain numbers only
     if compression == "powersgd":
         states = saved["ds_mirrored"]["compression_states"]
         assert len(states) == 2 and states[0]["iter"] > 5
         assert not torch.equal(states[0]["error"][0], states[1]["error"][0])  # per-rank error feedback
-    ds_train([*_fit_args(tmp_path / "c", compression, 2, resumed), f"--ckpt_path={checkpoint}"])
+    ds_train([*_fit_args(tmp_path / "c", compression, 2, resumed), f"--ckpt_path={checkpoint}"], ranks=2)
 
     a, b = _load_rank(straight, 0), _load_rank(resumed, 0)
     assert a["global_step"] == b["global_step"] == 2 * saved["global_step"]  # resume adds no step
@@ -280,7 +283,7 @@ def test_resume_matches_uninterrupted_run_and_checkpoint_loads_on_one_device(tmp
     del saved["ds_mirrored"]
     dropped = tmp_path / "dropped.ckpt"
     torch.save(saved, dropped)
-    ds_train([*_fit_args(tmp_path / "d", compression, 2, tmp_path / "dropped"), f"--ckpt_path={dropped}"])
+    ds_train([*_fit_args(tmp_path / "d", compression, 2, tmp_path / "dropped"), f"--ckpt_path={dropped}"], ranks=2)
     assert_far(b["state_dict"], _load_rank(tmp_path / "dropped", 0)["state_dict"], 1e-4, "the resume without it")
 
     # A plain single-device Trainer loads the consolidated checkpoint.
@@ -334,7 +337,7 @@ def _uneven_args(tmp_path: Path, out: Path, data: list[str], extra: list[str] = 
 )
 def test_uneven_inputs_finish_with_equal_step_counts(tmp_path, data, extra, steps_per_epoch):
     out = tmp_path / "params"
-    ds_train(_uneven_args(tmp_path, out, data, extra), timeout=150)
+    ds_train(_uneven_args(tmp_path, out, data, extra), timeout=150, ranks=2)
     rank0, rank1 = _load_rank(out, 0), _load_rank(out, 1)
     assert rank0["global_step"] == rank1["global_step"] == 2 * steps_per_epoch
     for name, value in rank0["state_dict"].items():  # replicas stayed in sync, so every step was all-reduced

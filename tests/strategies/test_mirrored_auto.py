@@ -61,7 +61,8 @@ def _fit(root: Path, out: Path, extra: list[str], max_steps: int = STEPS) -> Non
             "--trainer.callbacks+=tests.helpers.callbacks.SaveParams",
             f"--trainer.callbacks.path={out}",
             "--model.hidden_sizes=[32]",
-        ]
+        ],
+        ranks=2,  # both ranks at once, forked warm: the subject is the training, not Lightning's launcher
     )
 
 
