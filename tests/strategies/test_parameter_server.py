@@ -186,6 +186,9 @@ def _run(tmp_path: Path, name: str, spec: dict[str, Any], timeout: float = 150, 
     spec_path = tmp_path / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
     start = time.monotonic()
+    if spec["strategy"] == "single":  # the one-process reference launches nothing: it runs here, without the imports
+        ps_runs.main(str(spec_path))
+        return _results(spec, out, {"returncode": 0, "output": "", "seconds": time.monotonic() - start})
     proc = subprocess.run(
         [sys.executable, "-m", "tests.helpers.ps_runs", str(spec_path)],
         cwd=REPO,
@@ -198,6 +201,11 @@ def _run(tmp_path: Path, name: str, spec: dict[str, Any], timeout: float = 150, 
     result: dict[str, Any] = {"returncode": proc.returncode, "output": proc.stdout, "seconds": time.monotonic() - start}
     if check:
         assert proc.returncode == 0, proc.stdout[-6000:]
+    return _results(spec, out, result)
+
+
+def _results(spec: dict[str, Any], out: Path, result: dict[str, Any]) -> dict[str, Any]:
+    """``result`` with what each rank wrote under ``out``."""
     for rank in range(spec.get("devices", 2)):
         path = Path(f"{out}.rank{rank}.json")
         if path.exists():
