@@ -147,6 +147,20 @@ def _uninterrupted(tmp_path: Path, strategy: str) -> dict:
     return _final(root)
 
 
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory):
+    """``get(strategy)``: :func:`_uninterrupted`, run once per strategy for the whole module (the reference does not
+    depend on the fault or the moment it hits)."""
+    finals: dict[str, dict] = {}
+
+    def get(strategy: str) -> dict:
+        if strategy not in finals:
+            finals[strategy] = _uninterrupted(tmp_path_factory.mktemp(f"uninterrupted-{strategy}"), strategy)
+        return finals[strategy]
+
+    return get
+
+
 def _step(root: Path) -> int:
     path = root / "heartbeat.rank0"
     try:
@@ -187,13 +201,13 @@ def _start(
     ]
 
 
-def _elastic_run(cluster_factory, tmp_path: Path, strategy: str, fault: str) -> tuple[dict, dict]:
+def _elastic_run(cluster_factory, uninterrupted, tmp_path: Path, strategy: str, fault: str) -> tuple[dict, dict]:
     """Starts the job, hits the second host at a random step and returns (final, uninterrupted) parameters.
 
     ``fault``: ``"host back"`` kills its agent and trainers and starts its torchrun again, ``"host gone"`` kills them
     for good.
     """
-    expected = _uninterrupted(tmp_path, strategy)
+    expected = uninterrupted(strategy)
     cluster: Cluster = cluster_factory(2)
     root = tmp_path / "elastic"
     config = _config(root, strategy)
@@ -219,9 +233,9 @@ def _whole_run_batches(strategy: str, world_size: int) -> int:
 
 @pytest.mark.parametrize("strategy", REPLICATED)
 def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrupted(
-    cluster_factory, tmp_path, strategy
+    cluster_factory, uninterrupted, tmp_path, strategy
 ):
-    final, expected = _elastic_run(cluster_factory, tmp_path, strategy, fault="host back")
+    final, expected = _elastic_run(cluster_factory, uninterrupted, tmp_path, strategy, fault="host back")
     assert final["world_size"] == 2
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches(strategy, 2), "the restarted group trained from scratch"
@@ -232,9 +246,9 @@ def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrup
 # stages, covered by the host that comes back).
 @pytest.mark.parametrize("strategy", ["ds_mirrored"])
 def test_a_host_lost_for_good_leaves_the_survivors_to_finish_at_half_the_world_size_as_if_uninterrupted(
-    cluster_factory, tmp_path, strategy
+    cluster_factory, uninterrupted, tmp_path, strategy
 ):
-    final, expected = _elastic_run(cluster_factory, tmp_path, strategy, fault="host gone")
+    final, expected = _elastic_run(cluster_factory, uninterrupted, tmp_path, strategy, fault="host gone")
     assert final["world_size"] == 1
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches(strategy, 1), "the survivors trained from scratch"
