@@ -7,6 +7,9 @@ DOCS_STAMP := $(VENV)/.ds_lightning-docs-installed
 # The pinned torch resolves to the CPU wheel on CPU-only machines here; a GPU box may override it.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# `make test` runs on two pytest-xdist workers, one per core here: a multi-rank test spends much of its time waiting
+# (rendezvous, timeouts, a killed rank), so two at once keep both cores busy. TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
 
 .PHONY: setup cluster-tools demo demo-gpt test test-gpu test-versions lint docs bench bench-all clean
 
@@ -28,7 +31,7 @@ demo-gpt: setup
 	$(VENV)/bin/ds-train fit --config examples/configs/gpt_mirrored.yaml
 
 test: setup cluster-tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 # The declared dependency ranges at their ends (and the pinned venv): every example config and every strategy, on
 # venvs cached under ~/.cache/ds_lightning/versions. Writes runs/versions/matrix.md.

@@ -44,3 +44,14 @@ def pytest_timeout_set_timer(item, settings):
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
 def pytest_timeout_cancel_timer(item):
     runner.set_test_timeout(None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under ``pytest -n`` (``--dist loadgroup``), the tests that build network-namespace clusters run on one worker,
+    one at a time: each picks its subnet and names from what exists when it starts, so two at once could clash.
+    Without pytest-xdist (the version matrix's venvs) the mark is unknown, and nothing runs in parallel anyway."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if {"cluster_factory", "netns_required"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.xdist_group("netns"))
