@@ -95,6 +95,25 @@ def summarise_auto(
     return out
 
 
+def auto_verdicts(summary: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Per measured link, the target as ``summary["verdicts"]`` lists it: auto / best per repeat, which must also
+    keep the accuracy or perplexity within the verdict's bounds (one long run: a condition, not a spread)."""
+    labels = {link["key"]: link["label"] for link in LINKS}
+    out = []
+    for key, v in (summary or {}).items():
+        figure = "perplexity" if "final_ppl" in v else "accuracy"
+        out.append(
+            harness.judged(
+                f"auto / best fixed setting step time at {labels.get(key, key)}, its {figure} within the bounds",
+                v["over_best"],
+                at_most=CLUSTER_TARGET,
+                unit="x",
+                holds=v["accuracy_met"],
+            )
+        )
+    return out
+
+
 def _result(v: dict[str, Any]) -> str:
     """The step-time verdict (the harness's rule) and, when it is met, whether the accuracy or perplexity held."""
     speed = harness.verdict(v["over_best"], at_most=CLUSTER_TARGET)

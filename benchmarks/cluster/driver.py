@@ -74,7 +74,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import harness
-from benchmarks.cluster.auto_report import auto_markdown, summarise_auto
+from benchmarks.cluster.auto_report import auto_markdown, auto_verdicts, summarise_auto
 from benchmarks.cluster.compression import (
     compact_runs,
     compression_configs,
@@ -93,6 +93,7 @@ from benchmarks.cluster.hierarchical import add_options as add_hierarchical_opti
 from benchmarks.cluster.hierarchical import (
     hierarchical_configs,
     hierarchical_markdown,
+    hierarchical_verdicts,
     plot_hierarchical,
     run_hierarchical_round,
     summarise_hierarchical,
@@ -104,6 +105,7 @@ from benchmarks.cluster.report import (
     EQUAL,
     LR,
     MIRRORED,
+    TARGET_SPEEDUP,
     UNEVEN_MBIT,
     links_of,
     markdown,
@@ -378,6 +380,16 @@ class Cluster(harness.Benchmark):
         if "hierarchical" in parts:  # results from before part 4 keep their summary
             out["hierarchical"] = summarise_hierarchical(raw["hierarchical"])
         out["notes"] = notes(self.view({**data, "summary": out}))
+        out["verdicts"] = [
+            *(
+                harness.judged(
+                    f"{t['target']} (best: {t['best'] or '-'})", t["value"], at_least=TARGET_SPEEDUP, unit="x"
+                )
+                for t in targets
+            ),
+            *auto_verdicts(out.get("auto")),
+            *hierarchical_verdicts(out.get("hierarchical")),
+        ]
         return out
 
     @staticmethod

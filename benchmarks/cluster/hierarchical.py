@@ -151,6 +151,7 @@ def summarise_hierarchical(raw: dict[str, list[dict[str, Any]]]) -> dict[str, An
             "bytes_ratio": harness.spread(bytes_ratio),
             "speedup": harness.spread(speedup),
             "max_abs_diff": max(diffs) if diffs else None,
+            "parity": harness.spread(diffs),  # per repeat: the largest difference of any final parameter
         }
         reading["bytes_met"] = harness.is_met(reading["bytes_ratio"], at_most=BYTES_TARGET)
         reading["speedup_met"] = harness.is_met(reading["speedup"], at_least=SPEEDUP_TARGET)
@@ -158,6 +159,29 @@ def summarise_hierarchical(raw: dict[str, list[dict[str, Any]]]) -> dict[str, An
         judged = two_level == "two_level"
         reading["parity_met"] = None if not diffs or not judged else max(diffs) <= PARITY_ATOL
         out["pairs"][f"{two_level}/{flat}"] = reading
+    return out
+
+
+def hierarchical_verdicts(summary: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Part 4's targets as ``summary["verdicts"]`` lists them, per pair: bytes, speed-up, and (uncompressed, like for
+    like) the final parameters within fp32's tolerance in every repeat."""
+    out = []
+    for name, pair in ((summary or {}).get("pairs") or {}).items():
+        two_level, flat = name.split("/")
+        out += [
+            harness.judged(f"{name}: inter-host bytes per step", pair["bytes_ratio"], at_most=BYTES_TARGET, unit="x"),
+            harness.judged(f"{name}: step-time speed-up", pair["speedup"], at_least=SPEEDUP_TARGET, unit="x"),
+        ]
+        if two_level == "two_level" and _same_compression(two_level, flat):
+            out.append(
+                harness.judged(
+                    f"{name}: final parameters, largest difference",
+                    pair.get("parity"),
+                    at_most=PARITY_ATOL,
+                    spec="g",
+                    holds=pair["parity_met"],
+                )
+            )
     return out
 
 

@@ -323,7 +323,14 @@ class Faults(harness.Benchmark):
                 "inrun_verdict": harness.verdict(inrun, at_most=TARGET),
                 "bounds": s.get(arm, {}).get("bounds"),
             }
-        return {"arms": s, "target": target}
+        verdicts = [
+            harness.judged(
+                f"{what}, async backups every {TARGET_EVERY} steps, {model}", t[key], at_most=TARGET, unit="x"
+            )
+            for model, t in sorted(target.items())
+            for key, what in (("ratio", "step time vs no backup"), ("inrun_ratio", "step time vs no backup, in-run"))
+        ]
+        return {"arms": s, "target": target, "verdicts": verdicts}
 
     def file_stem(self, settings: dict[str, Any]) -> str:
         # The overhead part re-run on its own keeps the full run's files.

@@ -10,8 +10,18 @@ from .provenance import cpu_model, provenance
 from .run import REPO, Failed, error_line, launch, package_state, run_experiment, worker_env
 from .spec import Arm, Experiment, interleave, round_order
 from .summary import best_of, fmt, ok, paired, ratio_to, spread, summarise, values
-from .verdict import MIN_LAUNCHES, VERDICTS, is_met, verdict
-from .writers import FORMAT, Panel, bar_panels, markdown_table, read_json, write_json, write_markdown
+from .verdict import MIN_LAUNCHES, VERDICTS, is_met, judged, verdict
+from .writers import (
+    FORMAT,
+    Panel,
+    bar_panels,
+    judged_figure,
+    markdown_table,
+    read_json,
+    verdict_lines,
+    write_json,
+    write_markdown,
+)
 
 __all__ = [
     "FORMAT",
@@ -31,6 +41,8 @@ __all__ = [
     "fmt",
     "interleave",
     "is_met",
+    "judged",
+    "judged_figure",
     "launch",
     "main",
     "markdown_table",
@@ -48,6 +60,7 @@ __all__ = [
     "summarise",
     "values",
     "verdict",
+    "verdict_lines",
     "worker_env",
     "write_json",
     "write_markdown",

@@ -13,7 +13,7 @@ from typing import Any
 from .provenance import provenance
 from .run import package_state, run_experiment
 from .spec import Arm, Experiment
-from .writers import read_json, write_json, write_markdown
+from .writers import read_json, verdict_lines, write_json, write_markdown
 
 __all__ = ["RESULTS", "Benchmark", "main"]
 
@@ -66,7 +66,8 @@ class Benchmark:
         return {"arms": arms, "baseline": experiment.baseline, "records": records}
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
-        """The summary (medians, spreads, ratios) from ``data["records"]``; recomputed by ``--render``."""
+        """The summary (medians, spreads, ratios) from ``data["records"]``; recomputed by ``--render``. Its
+        ``"verdicts"`` lists every target the benchmark states, each :func:`harness.judged` (empty: no target)."""
         raise NotImplementedError
 
     def report(self, data: dict[str, Any]) -> list[str]:
@@ -146,7 +147,7 @@ def write(bench: Benchmark, data: dict[str, Any], out: Path, json_too: bool = Tr
     if json_too:
         write_json(out / f"{name}.json", bench.compact(data))
         written.append(out / f"{name}.json")
-    write_markdown(out / f"{name}.md", bench.report(data))
+    write_markdown(out / f"{name}.md", [*bench.report(data), *verdict_lines(data["summary"].get("verdicts"))])
     return [*written, out / f"{name}.md", *bench.plot(data, out)]
 
 

@@ -1,11 +1,12 @@
-"""The one verdict rule: a target is met only when the median over at least three launches meets it."""
+"""The one verdict rule: a target is met only when the median over at least three launches meets it; and
+:func:`judged`, the entry every benchmark's ``summary["verdicts"]`` holds per target, judged by that rule."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MIN_LAUNCHES", "VERDICTS", "is_met", "verdict"]
+__all__ = ["MIN_LAUNCHES", "VERDICTS", "is_met", "judged", "verdict"]
 
 #: launches per arm a verdict rests on; fewer (a ``--quick`` run) are reported but not judged
 MIN_LAUNCHES = 3
@@ -43,3 +44,46 @@ def is_met(value: Mapping[str, Any] | None, at_most: float | None = None, at_lea
     """The verdict as the JSON's ``met`` flag: ``True`` only for ``"met"``, ``None`` without data or launches."""
     v = verdict(value, at_most, at_least)
     return None if v in ("no data", "not judged") else v == "met"
+
+
+def judged(
+    what: str,
+    value: Mapping[str, Any] | None,
+    at_most: float | None = None,
+    at_least: float | None = None,
+    *,
+    unit: str = "",
+    spec: str = ".2f",
+    holds: bool | None = True,
+) -> dict[str, Any]:
+    """One target as every benchmark's ``summary["verdicts"]`` lists it: what is judged, the target, the figure's
+    median and spread over launches, how many launches, and the :func:`verdict`.
+
+    Args:
+        what: the figure, in words (e.g. ``"ds_mirrored / plain DDP loop step time"``).
+        value: the figure's spread over launches (:func:`harness.spread`), or ``None`` for no data.
+        at_most: the target is an upper bound.
+        at_least: the target is a lower bound.
+        unit: written after the bound in ``target`` (e.g. ``"x"``, ``" points"``).
+        spec: the bound's format in ``target``.
+        holds: a condition the target also sets that has no spread of its own (e.g. the accuracy one long run kept,
+            or every launch's parameters within a tolerance): ``False`` makes a judged figure ``"missed"``;
+            ``None`` (not measured) makes a met one ``"no data"``.
+
+    Returns:
+        ``{"what", "target", "median", "min", "max", "launches", "verdict"}``; ``target`` reads e.g. ``"<= 1.10x"``.
+
+    """
+    rule = verdict(value, at_most, at_least)
+    if holds is False and rule in ("met", "within noise", "missed"):
+        rule = "missed"
+    elif holds is None and rule == "met":
+        rule = "no data"
+    sign, bound = ("<=", at_most) if at_most is not None else (">=", at_least)
+    return {
+        "what": what,
+        "target": f"{sign} {bound:{spec}}{unit}",
+        **{k: (float(value[k]) if value else None) for k in ("median", "min", "max")},
+        "launches": len(value.get("runs", ())) if value else 0,
+        "verdict": rule,
+    }

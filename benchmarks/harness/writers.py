@@ -12,7 +12,17 @@ from .compact import dumps
 from .figures import save_figure
 from .summary import fmt
 
-__all__ = ["FORMAT", "Panel", "bar_panels", "markdown_table", "read_json", "write_json", "write_markdown"]
+__all__ = [
+    "FORMAT",
+    "Panel",
+    "bar_panels",
+    "judged_figure",
+    "markdown_table",
+    "read_json",
+    "verdict_lines",
+    "write_json",
+    "write_markdown",
+]
 
 #: Written into every JSON; ``--render`` reads only JSON carrying it (older results must be run again).
 FORMAT = "ds_lightning-bench/1"
@@ -51,6 +61,33 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> lis
         return "| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |"
 
     return [line(headers), "|" + "---|" * len(headers), *(line(r) for r in rows)]
+
+
+def judged_figure(entry: Mapping[str, Any]) -> str:
+    """A ``summary["verdicts"]`` entry's figure: ``median [min - max]`` to three significant digits, ``-`` for none."""
+    if entry.get("median") is None:
+        return "-"
+    median, low, high = (f"{entry[k]:.3g}" for k in ("median", "min", "max"))
+    return median if low == high == median else f"{median} [{low} - {high}]"
+
+
+def verdict_lines(verdicts: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    """The section every results page ends with: each target of ``summary["verdicts"]`` (:func:`harness.judged`)."""
+    if verdicts is None:  # a summary from before the uniform verdicts
+        return []
+    head = [
+        "",
+        "## Verdicts",
+        "",
+        "Every target of this benchmark, as `make bench-all` collects them (`summary.verdicts` in the JSON): the"
+        " median over launches [min - max], judged by the harness's rule (met when the median meets the target,"
+        " within noise when the spread reaches it, not judged under 3 launches).",
+        "",
+    ]
+    if not verdicts:
+        return [*head, "This benchmark states no target: its figures are a reference (see its README)."]
+    rows = [[v["what"], v["target"], judged_figure(v), v["launches"], v["verdict"]] for v in verdicts]
+    return [*head, *markdown_table(["what", "target", "median [min - max]", "launches", "verdict"], rows)]
 
 
 def write_markdown(path: Path, lines: Sequence[str], echo: bool = True) -> None:

@@ -236,6 +236,14 @@ class LoadBalance(harness.Benchmark):
             s[arm]["per_s"] = harness.spread(
                 harness.values(records, arm, lambda r: 1000 * data["settings"]["global_batch"] / r["step_ms"])
             )
+        s["verdicts"] = [
+            harness.judged(
+                "epoch time with DynamicLoadBalancer vs equal split (ideal 0.667x)",
+                s[BALANCED]["epoch_s_ratio"],
+                at_most=TARGET_RATIO,
+                unit="x",
+            )
+        ]
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
@@ -273,7 +281,7 @@ class LoadBalance(harness.Benchmark):
             )
         b = s[BALANCED]
         ratio = b["epoch_s_ratio"]
-        met = harness.verdict(ratio, at_most=TARGET_RATIO)
+        met = s["verdicts"][0]["verdict"]
         model = (
             f"{data.get('workload', 'the GPT')} (AdamW lr {lr:g}), global batch {st['global_batch']} windows of"
             f" {per_sample} tokens"

@@ -152,6 +152,7 @@ class Memory(harness.Benchmark):
         pairs = [(arm_name(True, n, e), arm_name(False, n)) for n in procs for e in engines]
         s = _sharding_common.summarise(data, MB_KEYS, SUMMARY_KEYS, RATIO_KEYS, pairs)
         s["targets"] = targets(s, procs, engines)
+        s["verdicts"] = _sharding_common.verdicts(s["targets"])
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:

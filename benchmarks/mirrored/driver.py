@@ -30,7 +30,7 @@ from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, fmt
 from benchmarks.harness import workloads as _workloads
 from benchmarks.harness.figures import save_figure
-from benchmarks.mirrored.auto import AUTO, loopback_lines, loopback_summary
+from benchmarks.mirrored.auto import AUTO, LOOPBACK_TARGET, loopback_lines, loopback_summary
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 STRATEGIES = {
@@ -40,10 +40,8 @@ STRATEGIES = {
 }
 COMPRESSIONS = {"none": "ds_mirrored", "fp16": "fp16", "bf16": "bf16", "powersgd": "powersgd"}  # setting: arm
 LINKS_MBIT = {"1 Gbit/s": 1000.0, "100 Mbit/s": 100.0}
-RATIOS = {
-    "lightning_ddp": "ds_mirrored / Lightning ddp (target <= 1.00)",
-    "plain_ddp": "ds_mirrored / plain DDP loop (target <= 1.10)",
-}
+TARGETS = {"lightning_ddp": ("Lightning ddp", 1.00), "plain_ddp": ("plain DDP loop", 1.10)}  # ds_mirrored / each
+RATIOS = {arm: f"ds_mirrored / {name} (target <= {bound:.2f})" for arm, (name, bound) in TARGETS.items()}
 
 #: per-workload defaults of the options left unset: a full run, then --quick (one GPT run: well under a minute)
 MODEL_DEFAULTS = {
@@ -156,6 +154,7 @@ class Mirrored(harness.Benchmark):
         if AUTO in s:  # results from before the auto arm have none
             st = data["settings"]
             s[AUTO]["auto"] = loopback_summary(records, "ds_mirrored", st["warmup"], st["steps"])
+        s["verdicts"] = verdicts(s)
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
@@ -184,7 +183,7 @@ class Mirrored(harness.Benchmark):
                     *(f"{p[link]:.1f}" if p[link] else "-" for link in LINKS_MBIT),
                 ]
             )
-        failed = [f"{a}: {e}" for a, v in s.items() for e in v["errors"]]
+        failed = [f"{a}: {e}" for a in data["arms"] for e in s[a]["errors"]]
         return [
             f"# ds_mirrored on the {workload_label(data)}",
             "",
@@ -267,6 +266,21 @@ class Mirrored(harness.Benchmark):
         path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
         save_figure(fig, path)
         return [path]
+
+
+def verdicts(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """The targets, per repeat: ds_mirrored against each reference's step time, and auto against none."""
+    out = [
+        harness.judged(f"ds_mirrored / {name} step time", s["ds_mirrored"][f"over_{arm}"], at_most=bound, unit="x")
+        for arm, (name, bound) in TARGETS.items()
+    ]
+    if AUTO in s:
+        out.append(
+            harness.judged(
+                "auto / none step time on loopback", s[AUTO]["auto"]["over_none"], at_most=LOOPBACK_TARGET, unit="x"
+            )
+        )
+    return out
 
 
 def unit_of(data: dict[str, Any]) -> str:

@@ -45,6 +45,7 @@ from benchmarks.pipeline.report import (
     IMPLS,
     LABELS,
     SCHEDULES,
+    TARGET,
     TRACE_M,
     TRACE_P,
     config_key,
@@ -293,7 +294,16 @@ class Pipeline(harness.Benchmark):
         per_step, unit = throughput_basis(st)
         meta = {"procs": procs, "ms": ms, "trace_m": trace_m, "workload": workload_label(st)}
         meta.update(per_step=per_step, unit=unit)
-        return {"meta": meta, "single": single, "configs": configs}
+        verdicts = [
+            harness.judged(
+                f"ds_pipeline / hand-written step time, p={c['p']} {c['schedule']} m={c['m']}",
+                c["ratio_ds_over_hand"],
+                at_most=TARGET,
+                unit="x",
+            )
+            for c in configs
+        ]
+        return {"meta": meta, "single": single, "configs": configs, "verdicts": verdicts}
 
     def compact(self, data: dict[str, Any]) -> dict[str, Any]:
         return compact_data(data)

@@ -25,6 +25,8 @@ OPTIMIZERS = {"digits": "Adam (lr 1e-3)", "gpt": "AdamW (lr 3e-4, betas 0.9/0.95
 STATE_TARGETS = {2: 0.55, 4: 0.30}
 STEP_TARGET = 1.10
 BYTES_TARGET = 1.1
+#: the sharding-engines benchmark's parity target: final parameters equal to DDP's within fp32 tolerance
+PARITY_ATOL = 1e-5
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +92,20 @@ def judged(arm: Mapping[str, Any], procs: int, checks: Sequence[tuple[str, str, 
         ratio = arm.get(f"{key}_ratio")
         out.append({"what": what, "procs": procs, "ratio": ratio, "limit": limit, "verdict": verdict(ratio, limit)})
     return out
+
+
+def verdicts(targets: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """The targets of :func:`judged` as ``summary["verdicts"]`` lists them; a figure without a limit is left out."""
+    return [
+        harness.judged(
+            f"{t['engine'] + ': ' if 'engine' in t else ''}{t['what']}, {t['procs']} processes",
+            t["ratio"],
+            at_most=t["limit"],
+            unit="x",
+        )
+        for t in targets
+        if t["limit"] is not None
+    ]
 
 
 def with_mb(records: list[dict[str, Any]], mb_keys: Mapping[str, str]) -> list[dict[str, Any]]:

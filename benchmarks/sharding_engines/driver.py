@@ -35,7 +35,14 @@ from benchmarks.harness import Arm, Experiment, Panel
 from benchmarks.harness import workloads as _workloads
 from benchmarks.sharding_engines import common as _sharding_common
 from benchmarks.sharding_engines import report as _sharding_engines_report
-from benchmarks.sharding_engines.common import BYTES_TARGET, STATE_TARGETS, STEP_TARGET, ring_bytes, workload_label
+from benchmarks.sharding_engines.common import (
+    BYTES_TARGET,
+    PARITY_ATOL,
+    STATE_TARGETS,
+    STEP_TARGET,
+    ring_bytes,
+    workload_label,
+)
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 ENGINES = {
@@ -111,6 +118,25 @@ def targets(summary: Mapping[str, Any], procs: list[int]) -> list[dict[str, Any]
     return out
 
 
+def parity_verdicts(summary: Mapping[str, Any], procs: list[int]) -> list[dict[str, Any]]:
+    """The README's parity target: every run's final parameters within ``PARITY_ATOL`` of the same repeat's ``ddp``
+    run (the figure: the largest difference per run, over the repeats)."""
+    out = []
+    for n in procs:
+        for engine in ("zero", "fsdp"):
+            diff = summary.get(arm_name(engine, n), {}).get("parity_max_abs")
+            out.append(
+                harness.judged(
+                    f"{engine}: final parameters, largest difference from ddp's, {n} processes",
+                    diff,
+                    at_most=PARITY_ATOL,
+                    spec="g",
+                    holds=diff["max"] <= PARITY_ATOL if diff else None,
+                )
+            )
+    return out
+
+
 class ShardingEngines(harness.Benchmark):
     name = "sharding_engines"
     description = __doc__
@@ -155,6 +181,7 @@ class ShardingEngines(harness.Benchmark):
         pairs = [(arm_name(e, n), arm_name("ddp", n)) for n in procs for e in ("zero", "fsdp")]
         s = _sharding_common.summarise(data, MB_KEYS, SUMMARY_KEYS, RATIO_KEYS, pairs)
         s["targets"] = targets(s, procs)
+        s["verdicts"] = [*_sharding_common.verdicts(s["targets"]), *parity_verdicts(s, procs)]
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:

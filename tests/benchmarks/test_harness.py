@@ -80,6 +80,48 @@ def test_verdict_needs_exactly_one_bound():
         harness.verdict(_launches(1, 2, 3), at_most=1, at_least=0)
 
 
+def test_judged_lists_one_target_in_one_shape_by_the_verdict_rule():
+    got = harness.judged("a / b step time", _launches(1.03, 1.07, 1.09), at_most=1.05, unit="x")
+    assert got == {
+        "what": "a / b step time",
+        "target": "<= 1.05x",
+        "median": 1.07,
+        "min": 1.03,
+        "max": 1.09,
+        "launches": 3,
+        "verdict": "within noise",
+    }
+    assert harness.judged("speed-up", _launches(1.6, 1.7, 1.8), at_least=1.5)["target"] == ">= 1.50"
+    empty = harness.judged("none ran", None, at_most=1.0)
+    assert (empty["median"], empty["launches"], empty["verdict"]) == (None, 0, "no data")
+    assert harness.judged("two", _launches(1.0, 1.0), at_most=1.05)["verdict"] == "not judged"
+    assert harness.judged("tiny", _launches(0, 0, 0), at_most=1e-5, spec="g")["target"] == "<= 1e-05"
+
+
+@pytest.mark.parametrize(
+    ("runs", "holds", "expected"),
+    [
+        ((1.0, 1.0, 1.0), True, "met"),
+        ((1.0, 1.0, 1.0), False, "missed"),  # e.g. the accuracy a long run kept fell out of bounds
+        ((1.0, 1.0, 1.0), None, "no data"),  # ... or was not measured
+        ((1.03, 1.07, 1.09), False, "missed"),
+        ((1.03, 1.07, 1.09), None, "within noise"),
+        ((1.0, 1.0), False, "not judged"),
+    ],
+)
+def test_judged_with_a_condition_without_a_spread(runs: tuple, holds: bool | None, expected: str):
+    assert harness.judged("auto", _launches(*runs), at_most=1.05, holds=holds)["verdict"] == expected
+
+
+def test_verdict_lines_close_a_page_with_every_target_or_say_there_is_none():
+    entry = harness.judged("a / b", _launches(0.9, 1.0, 1.2), at_most=1.1, unit="x")
+    lines = harness.verdict_lines([entry])
+    assert lines[1] == "## Verdicts"
+    assert lines[-1] == "| a / b | <= 1.10x | 1 [0.9 - 1.2] | 3 | met |"
+    assert harness.verdict_lines([])[-1].startswith("This benchmark states no target")
+    assert harness.verdict_lines(None) == []  # a summary from before the verdicts list
+
+
 def test_experiment_order_and_validation():
     exp = Experiment([Arm("a", {"x": 1}), Arm("b", label="B!")], repeats=2, baseline="a")
     assert [(r, a.name) for r, a in exp.order()] == [(0, "a"), (0, "b"), (1, "b"), (1, "a")]
