@@ -28,11 +28,11 @@ def _opts(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ((), (150, 20, 32, 5)),
+        ((), (150, 20, 32, 3)),
         (("--quick",), (10, 2, 32, 1)),
-        (("--model", "gpt"), (30, 5, 8, 5)),
+        (("--model", "gpt"), (30, 5, 8, 3)),
         (("--model", "gpt", "--quick"), (4, 2, 8, 1)),
-        (("--model", "gpt", "--steps", "7", "--batch-size", "3"), (7, 5, 3, 5)),
+        (("--model", "gpt", "--steps", "7", "--batch-size", "3"), (7, 5, 3, 3)),
     ],
 )
 def test_per_workload_defaults_fill_only_what_is_unset(argv: tuple[str, ...], expected: tuple[int, ...]):
