@@ -65,6 +65,7 @@ BENCHMARKS = {
     "sharding_engines": ("sharding_engines.driver", "ShardingEngines"),
     "faults": ("faults.driver", "Faults"),
     "cluster": ("cluster.driver", "Cluster"),
+    "precision": ("precision.driver", "Precision"),
 }
 #: keys that are no figure: what the verdict rule sets, and a target's label
 NOT_FIGURES = ("met", "verdict", "what")

@@ -1,0 +1,104 @@
+"""``make bench-all``: the targets it runs, the summary it writes, and the uniform verdicts every results file gives."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import harness
+from benchmarks.harness import bench_all
+
+KEYS = {"what", "target", "median", "min", "max", "launches", "verdict"}
+
+
+def test_every_bench_target_of_the_makefile_names_the_results_it_writes():
+    assert bench_all.bench_targets() == list(bench_all.WRITES)
+    written = [stem for stems in bench_all.WRITES.values() for stem in stems]
+    assert len(written) == len(set(written))
+
+
+def test_the_docs_read_only_results_that_bench_all_writes():
+    """Every ``result("<stem>", ...)`` in the docs names a file some bench-all target rewrites (or the summary)."""
+    import re
+
+    written = {stem for stems in bench_all.WRITES.values() for stem in stems} | {bench_all.NAME}
+    repo = Path(__file__).resolve().parents[2]
+    pages = [*sorted((repo / "docs").rglob("*.md")), repo / "README.md"]
+    named = {m for page in pages for m in re.findall(r'(?:result|ratio|provenance)\("([\w.]+)"', page.read_text())}
+    assert named and named <= written, sorted(named - written)
+
+
+@pytest.mark.parametrize("path", sorted(p for p in harness.RESULTS.glob("*.json") if "_trace_" not in p.stem))
+def test_every_results_file_lists_its_verdicts_in_one_shape(path: Path):
+    data = json.loads(path.read_text())
+    if path.stem == bench_all.NAME:
+        assert {v["benchmark"] for v in data["verdicts"]} <= set(bench_all.load(harness.RESULTS))
+        return
+    verdicts, _ = bench_all.verdicts_of(data)
+    assert all(set(v) == KEYS and v["verdict"] in harness.VERDICTS for v in verdicts)
+    assert (data["benchmark"] == "collectives") == (not verdicts)  # the one benchmark without a target
+
+
+def _result(folder: Path, stem: str, commit: str, repeats: int = 3, quick: bool = False, **extra: Any) -> None:
+    verdicts = [harness.judged(f"{stem} ratio", harness.spread([1.0, 1.1, 1.2][:repeats]), at_most=1.05, unit="x")]
+    data = {
+        "benchmark": stem.removesuffix("_gpt"),
+        "started": "2026-01-01T00:00:00+00:00",
+        "settings": {"repeats": repeats, "quick": quick},
+        "package": {"commit": commit, "uncommitted": []},
+        "seconds": 600.0,
+        "summary": {"verdicts": verdicts},
+        **extra,
+    }
+    harness.write_json(folder / f"{stem}.json", data)
+
+
+def test_summary_flags_mixed_commits_few_launches_and_the_budget(tmp_path: Path, monkeypatch):
+    monkeypatch.setattr(bench_all, "package_state", lambda: {"commit": "a" * 40, "uncommitted": []})
+    _result(tmp_path, "mirrored", "a" * 40, repeats=5)
+    _result(tmp_path, "pipeline", "a" * 40)
+    _result(tmp_path, "precision", "b" * 40, repeats=1, quick=True)
+    targets = ["bench-mirrored", "bench-pipeline", "bench-precision", "bench-precision-ops", "bench-collectives"]
+    data = bench_all.build(targets, [], tmp_path)
+    assert data["mode"] == "summary-only" and data["commits"]["one_commit"] == "no"
+    assert [v["benchmark"] for v in data["verdicts"]] == ["mirrored", "pipeline", "precision"]
+    assert data["counts"]["within noise"] == 2 and data["counts"]["not judged"] == 1 and data["counts"]["total"] == 3
+    flags = {f["file"]: f["flags"] for f in data["files"]}
+    assert flags["pipeline.json"] == []
+    assert "5 launches per arm, not the default 3" in flags["mirrored.json"]
+    assert {"not measured at HEAD", "a --quick run", "1 launch(es) per arm, under 3: not judged"} <= set(
+        flags["precision.json"]
+    )
+    minutes = {r["target"]: r["estimated_minutes"] for r in data["targets"]}
+    assert minutes["bench-mirrored"] == pytest.approx(6.0)  # 10 minutes at 5 launches, the default is 3
+    assert minutes["bench-precision"] == pytest.approx(30.0)  # 1 launch recorded, 3 by default
+    assert data["minutes"]["unknown"] == ["bench-precision-ops", "bench-collectives"]
+    assert data["minutes"]["over_budget"] == "no"
+    md = "\n".join(bench_all.markdown(data))
+    assert "**NOT ONE RUN AT ONE COMMIT: the 3 results files come from 2 commit(s)" in md
+    assert "3 targets: 0 met, 2 within noise, 0 missed, 1 not judged, 0 no data" in md
+    assert "| precision | precision ratio | <= 1.05x | 1 | 1 | not judged |" in md
+
+
+def test_a_run_goes_on_past_a_failed_target_and_flags_what_it_did_not_rewrite(tmp_path: Path, monkeypatch):
+    calls = []
+
+    def make(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        calls.append(cmd[-1])
+        return subprocess.CompletedProcess(cmd, 2 if cmd[-1] == "bench-pipeline" else 0)
+
+    monkeypatch.setattr(bench_all.subprocess, "run", make)
+    monkeypatch.setattr(bench_all, "package_state", lambda: {"commit": "c" * 40, "uncommitted": []})
+    monkeypatch.setattr(bench_all, "bench_targets", lambda: ["bench-mirrored", "bench-pipeline"])
+    _result(tmp_path, "mirrored", "c" * 40)  # started long before the run: not rewritten by it
+    with pytest.raises(SystemExit, match="1 target\\(s\\) failed: bench-pipeline"):
+        bench_all.main(["--results", str(tmp_path)])
+    assert calls == ["bench-mirrored", "bench-pipeline"]
+    data = json.loads((tmp_path / "bench_all.json").read_text())
+    assert [(r["target"], r["exit"]) for r in data["targets"]] == [("bench-mirrored", 0), ("bench-pipeline", 2)]
+    assert "not rewritten by this run" in data["files"][0]["flags"]
+    assert "**FAILED (2)**" in (tmp_path / "bench_all.md").read_text()
