@@ -208,7 +208,7 @@ def build(
         stem: _benchmark(data["benchmark"]).defaults.get("repeats", MIN_LAUNCHES) for stem, data in results.items()
     }
     ran = {r["target"]: r for r in runs}
-    rows = []
+    rows: list[dict[str, Any]] = []
     for target in targets:
         stems = WRITES.get(target, ())
         run = ran.get(target)

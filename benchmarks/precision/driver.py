@@ -187,20 +187,10 @@ class Precision(harness.Benchmark):
             fp32_ms = s[BASE]["step_ms"]["median"] if s.get(BASE, {}).get("step_ms") else None
             probe = auto.get("probe_s")
             auto["probe_in_fp32_steps"] = probe["median"] * 1000 / fp32_ms if probe and fp32_ms else None
-        # The harness's rule on the median, as the README states the target; the page's launch-by-launch verdict
-        # (:func:`verdict`) is stricter.
-        s["verdicts"] = (
-            [
-                harness.judged(
-                    "auto / fp32 step time (median rule; the page's every-launch verdict is stricter)",
-                    s["auto"].get("step_ms_ratio"),
-                    at_most=AUTO_TARGET,
-                    unit="x",
-                )
-            ]
-            if "auto" in s
-            else []
-        )
+        # The README's target by the harness's rule (the median); the page's every-launch verdict is stricter.
+        what = "auto / fp32 step time (median rule; the page's every-launch verdict is stricter)"
+        ratio = s.get("auto", {}).get("step_ms_ratio")
+        s["verdicts"] = [harness.judged(what, ratio, at_most=AUTO_TARGET, unit="x")] if "auto" in s else []
         return s
 
     def headline(self, data: dict[str, Any]) -> str | None:
