@@ -9,6 +9,11 @@ A page writes a reference where the figure goes, never the number::
     {{ ratio("mirrored", "summary.powersgd.comm_bytes_per_step.median",
              "summary.ds_mirrored.comm_bytes_per_step.median", fmt=".3f") }}  -> 0.021 (two figures of one file)
     {{ provenance("mirrored") }}  -> where mirrored.json was measured (commit, date, CPU, cores, torch, Lightning)
+    {{ verdict("cluster_hierarchical", "two_level/flat: step-time speed-up") }}  -> missed
+
+``verdict(benchmark, what)`` reads the verdict (met, within noise, missed, not judged) of one target from
+``bench_all.json``, the summary ``make bench-all`` writes; ``what`` is the target's description or its start, and must
+name exactly one of that benchmark's targets. A page never types whether a target was met.
 
 The first argument names ``benchmarks/results/<name>.json``; the second is a dotted path into it (a list is indexed by
 number; a key that itself holds a dot is given as a list of keys instead). A path that ends at a spread (a mapping with
@@ -48,7 +53,7 @@ UNRECORDED = "unrecorded"
 # Fenced blocks and inline code are skipped; outside them, every {{ result(...) }} or {{ provenance(...) }}.
 _PATTERN = re.compile(
     r"(?P<code>^(?P<fence>`{3,}|~{3,})[^\n]*\n.*?^(?P=fence)|`[^`\n]*`)"
-    r"|\{\{\s*(?P<call>result|ratio|provenance)\s*\((?P<args>[^{}]*?)\)\s*\}\}",
+    r"|\{\{\s*(?P<call>result|ratio|provenance|verdict)\s*\((?P<args>[^{}]*?)\)\s*\}\}",
     re.MULTILINE | re.DOTALL,
 )
 #: ``scale=`` by name: bytes to these units, a fraction to percent points, or seconds to minutes
@@ -212,6 +217,29 @@ def _ratio(results: Results, args: list[Any], kwargs: dict[str, Any]) -> tuple[s
     return _number(values[0] / values[1], kwargs.get("fmt"), 1, f"{name}.json ratio"), name
 
 
+#: the results file that holds every benchmark's verdicts (``benchmarks/harness/bench_all.py`` writes it)
+SUMMARY = "bench_all"
+
+
+def _verdict(results: Results, args: list[Any], kwargs: dict[str, Any]) -> tuple[str, str]:
+    """A ``verdict(benchmark, what)`` reference's text: that target's verdict in ``bench_all.json``."""
+    if len(args) != 2 or kwargs:
+        raise ResultReferenceError("verdict() takes a benchmark name and the start of its target's description")
+    benchmark, what = (str(a).removesuffix(".json") for a in args)
+    rows = results.lookup(SUMMARY, "verdicts")
+    own = [r for r in rows if isinstance(r, Mapping) and r.get("benchmark") == benchmark]
+    if not own:
+        there = sorted({str(r.get("benchmark")) for r in rows if isinstance(r, Mapping)})
+        raise ResultReferenceError(f"{SUMMARY}.json has no verdicts of '{benchmark}' (it has: {', '.join(there)})")
+    found = [r for r in own if str(r.get("what", "")).startswith(what)]
+    if len(found) != 1:
+        listed = "; ".join(str(r.get("what")) for r in (found or own))
+        problem = "matches no target" if not found else f"matches {len(found)} targets"
+        raise ResultReferenceError(f"'{what}' {problem} of '{benchmark}' in {SUMMARY}.json: {listed}")
+    results.load(benchmark)  # the page's provenance note names the benchmark's own file too
+    return str(found[0]["verdict"]), benchmark
+
+
 def _provenance_line(results: Results, name: str) -> str:
     prov = results.provenance(name)
     return f"`{name}.json`: " + ", ".join(f"{k} {v}" for k, v in prov.items())
@@ -232,6 +260,10 @@ def render(markdown: str, results: Results) -> Rendered:
                 text, name = f"({_provenance_line(results, args[0])})", str(args[0])
             elif match["call"] == "ratio":
                 text, name = _ratio(results, args, kwargs)
+            elif match["call"] == "verdict":
+                text, name = _verdict(results, args, kwargs)
+                if SUMMARY not in out.used:
+                    out.used.append(SUMMARY)
             else:
                 text, name = _figure(results, args, kwargs)
         except ResultReferenceError as exc:

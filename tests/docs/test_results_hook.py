@@ -212,3 +212,46 @@ def test_strict_build_fails_on_a_missing_key_naming_page_file_and_key(site):
 def test_strict_build_fails_on_a_reference_in_the_readme(site):
     done = _site(site, "# P\n", readme='# R\n\n{{ result("measured", "summary.ds_mirrored.bytes") }}\n')
     assert done.returncode != 0 and "README.md reads figures" in done.stderr
+
+
+SUMMARY = {
+    "verdicts": [
+        {"benchmark": "measured", "what": "two_level/flat: step-time speed-up", "verdict": "missed"},
+        {"benchmark": "measured", "what": "two_level/flat: inter-host bytes per step", "verdict": "met"},
+        {"benchmark": "measured", "what": "step time at 100 Mbit/s (best: powersgd_r4)", "verdict": "within noise"},
+        {"benchmark": "absent", "what": "anything", "verdict": "met"},
+    ]
+}
+
+
+def test_a_verdict_is_read_from_the_bench_all_summary(hook, results):
+    (results.folder / "bench_all.json").write_text(json.dumps(SUMMARY))
+    text = (
+        '{{ verdict("measured", "two_level/flat: step-time speed-up") }}, '
+        '{{ verdict("measured", "two_level/flat: inter-host") }}, {{ verdict("measured", "step time at 100") }}'
+    )
+    out = hook.render(text, results)
+    assert out.errors == []
+    assert out.markdown == "missed, met, within noise"
+    assert out.used == ["bench_all", "measured"]  # the provenance note names the summary and the benchmark's file
+
+
+@pytest.mark.parametrize(
+    ("reference", "message"),
+    [
+        ('verdict("nobench", "x")', "no verdicts of 'nobench' \\(it has: absent, measured\\)"),
+        ('verdict("measured", "two_level/flat")', "matches 2 targets of 'measured'"),
+        ('verdict("measured", "speed")', "matches no target of 'measured' in bench_all.json: two_level/flat: step"),
+        ('verdict("absent", "anything")', "no results file .*absent.json"),
+        ('verdict("measured")', "takes a benchmark name"),
+    ],
+)
+def test_a_verdict_that_names_no_single_target_is_an_error(hook, results, reference, message):
+    (results.folder / "bench_all.json").write_text(json.dumps(SUMMARY))
+    out = hook.render(f"{{{{ {reference} }}}}", results)
+    assert len(out.errors) == 1 and re.search(message, out.errors[0]), out.errors
+
+
+def test_a_verdict_without_a_bench_all_summary_is_an_error(hook, results):
+    out = hook.render('{{ verdict("measured", "two_level") }}', results)
+    assert re.search("no results file .*bench_all.json", out.errors[0]), out.errors
