@@ -3,7 +3,8 @@
 Runs each target of the Makefile's ``BENCH_TARGETS`` (``make --no-print-directory <target>``), timing it and going on
 past a failed one; then writes ``results/bench_all.json`` and ``results/bench_all.md``: per target its minutes and exit
 status; every target of every benchmark (its ``summary["verdicts"]``: what, target, median [min - max] over launches,
-launches, verdict); each results file's commit, flagged where it differs from the others' or from HEAD, where it rests
+launches, verdict); each results file's commit, flagged where it differs from the others' or where the measured code
+(``ds_lightning/``, ``benchmarks/`` but its results) changed between it and HEAD, where it rests
 on fewer than ``harness.MIN_LAUNCHES`` launches per arm or on a ``--quick`` run, or where this run did not rewrite it;
 and the total minutes against the 2-hour budget.
 
@@ -134,6 +135,35 @@ def _started(data: dict[str, Any]) -> datetime.datetime | None:
         return None
 
 
+#: what a benchmark measures: a results file is current while none of these changed since its commit
+MEASURED = ("ds_lightning", "benchmarks", ":(exclude)benchmarks/results", ":(exclude)*.md")
+
+
+def changed_since(commit: str) -> list[str] | None:
+    """The measured files (:data:`MEASURED`) that differ between ``commit`` and HEAD; ``None`` if git cannot tell."""
+    proc = subprocess.run(
+        ["git", "diff", "--name-only", commit, "HEAD", "--", *MEASURED],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return proc.stdout.split() if proc.returncode == 0 else None
+
+
+def _code_flag(commit: str | None, head: str) -> str | None:
+    """Why a file measured at ``commit`` may not describe HEAD's code; ``None`` when it does."""
+    if commit == head:
+        return None
+    changed = changed_since(commit) if commit else None
+    if changed is None:
+        return "commit unknown here: cannot tell whether the measured code changed since"
+    if changed:
+        shown = ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
+        return f"measured code changed since: {len(changed)} file(s) ({shown})"
+    return None
+
+
 def _files(
     results: dict[str, dict[str, Any]], head: str, since: datetime.datetime | None, defaults: dict[str, int]
 ) -> list[dict[str, Any]]:
@@ -148,8 +178,9 @@ def _files(
         flags = []
         if commit != common:
             flags.append(f"commit differs from the most common ({_short(common)}, {count} of {len(results)} files)")
-        if commit != head:
-            flags.append("not measured at HEAD")
+        code = _code_flag(commit, head)
+        if code:
+            flags.append(code)
         if package.get("uncommitted"):
             flags.append("uncommitted package changes")
         if repeats is None or repeats < MIN_LAUNCHES:
@@ -256,6 +287,8 @@ def build(
             "most_common": next(iter(commits.most_common(1)), (None, 0))[0],
             "one_commit": "yes" if len(commits) == 1 else "no",
             "at_head": "yes" if set(commits) == {head} else "no",
+            # the measured code (MEASURED) of every file's commit is HEAD's: results committed after a run stay current
+            "code_unchanged": "yes" if all(_code_flag(c, head) is None for c in commits) else "no",
         },
         "counts": counts,
         "verdicts_from": sources,
@@ -277,8 +310,11 @@ def markdown(data: dict[str, Any]) -> list[str]:
         else f"a `make bench-all` run of {sum(r['ran'] for r in data['targets'])} target(s)"
     )
     flagged = [f for f in data["files"] if f["flags"]]
-    if c["one_commit"] == "yes" and c["at_head"] == "yes" and not flagged:
-        commits = f"All {n['files']} results files were measured at {_short(c['head'])} (HEAD), none flagged."
+    if c["one_commit"] == "yes" and c["code_unchanged"] == "yes" and not flagged:
+        commits = (
+            f"All {n['files']} results files were measured at {_short(c['most_common'])}, none flagged; the measured"
+            f" code (`ds_lightning/`, `benchmarks/` but its results) is the same at HEAD {_short(c['head'])}."
+        )
     else:
         commits = (
             f"**NOT ONE RUN AT ONE COMMIT: the {n['files']} results files come from {c['distinct']} commit(s)"

@@ -155,10 +155,10 @@ def main(bench: Benchmark, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Parse the shared command line, then run and write, or (``--render``) re-render; the data written."""
     opts = resolve(bench, parser(bench).parse_args(argv))
     if opts.render is not None:
-        data = read_json(Path(opts.render) if opts.render else opts.out / f"{bench.file_stem(vars(opts))}.json")
-        written = write(bench, data, opts.out, json_too=False)
+        stored = read_json(Path(opts.render) if opts.render else opts.out / f"{bench.file_stem(vars(opts))}.json")
+        written = write(bench, stored, opts.out, json_too=False)
         print(f"re-rendered {', '.join(p.name for p in written)} in {opts.out}", flush=True)
-        return data
+        return stored
     start = time.monotonic()
     package = package_state()
     meta = bench.meta(opts)  # may complete the options (e.g. "auto" resolved): the settings record the result

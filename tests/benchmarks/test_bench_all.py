@@ -70,9 +70,11 @@ def test_summary_flags_mixed_commits_few_launches_and_the_budget(tmp_path: Path,
     flags = {f["file"]: f["flags"] for f in data["files"]}
     assert flags["pipeline.json"] == []
     assert "5 launches per arm, not the default 3" in flags["mirrored.json"]
-    assert {"not measured at HEAD", "a --quick run", "1 launch(es) per arm, under 3: not judged"} <= set(
-        flags["precision.json"]
-    )
+    assert {
+        "commit unknown here: cannot tell whether the measured code changed since",
+        "a --quick run",
+        "1 launch(es) per arm, under 3: not judged",
+    } <= set(flags["precision.json"])
     minutes = {r["target"]: r["estimated_minutes"] for r in data["targets"]}
     assert minutes["bench-mirrored"] == pytest.approx(6.0)  # 10 minutes at 5 launches, the default is 3
     assert minutes["bench-precision"] == pytest.approx(30.0)  # 1 launch recorded, 3 by default
@@ -102,3 +104,26 @@ def test_a_run_goes_on_past_a_failed_target_and_flags_what_it_did_not_rewrite(tm
     assert [(r["target"], r["exit"]) for r in data["targets"]] == [("bench-mirrored", 0), ("bench-pipeline", 2)]
     assert "not rewritten by this run" in data["files"][0]["flags"]
     assert "**FAILED (2)**" in (tmp_path / "bench_all.md").read_text()
+
+
+def test_results_committed_after_the_run_stay_current_until_measured_code_changes(tmp_path: Path, monkeypatch):
+    changed: dict[str, list[str]] = {"d" * 40: [], "e" * 40: ["ds_lightning/strategies/mirrored.py"]}
+    monkeypatch.setattr(bench_all, "package_state", lambda: {"commit": "f" * 40, "uncommitted": []})
+    monkeypatch.setattr(bench_all, "changed_since", changed.get)
+    _result(tmp_path, "mirrored", "d" * 40)
+    _result(tmp_path, "pipeline", "d" * 40)
+    data = bench_all.build(["bench-mirrored", "bench-pipeline"], [], tmp_path)
+    assert data["commits"]["code_unchanged"] == "yes" and all(f["flags"] == [] for f in data["files"])
+    assert "All 2 results files were measured at dddddddddd, none flagged" in "\n".join(bench_all.markdown(data))
+    _result(tmp_path, "mirrored", "e" * 40)  # control: the same files, one measured before a change to the package
+    data = bench_all.build(["bench-mirrored", "bench-pipeline"], [], tmp_path)
+    assert data["commits"]["code_unchanged"] == "no"
+    flags = {f["file"]: f["flags"] for f in data["files"]}
+    assert "measured code changed since: 1 file(s) (ds_lightning/strategies/mirrored.py)" in flags["mirrored.json"]
+    assert "NOT ONE RUN AT ONE COMMIT" in "\n".join(bench_all.markdown(data))
+
+
+def test_changed_since_reads_git():
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=bench_all.REPO, capture_output=True, text=True).stdout
+    assert bench_all.changed_since(head.strip()) == []
+    assert bench_all.changed_since("0" * 40) is None
