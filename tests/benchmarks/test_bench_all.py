@@ -127,3 +127,24 @@ def test_changed_since_reads_git():
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=bench_all.REPO, capture_output=True, text=True).stdout
     assert bench_all.changed_since(head.strip()) == []
     assert bench_all.changed_since("0" * 40) is None
+
+
+#: issue 25: the committed results stay compact (per-step spans summarised, palette PNGs)
+RESULTS_BYTES_LIMIT = 1_500_000
+
+
+def test_the_committed_results_stay_under_one_and_a_half_megabytes():
+    files = [p for p in harness.RESULTS.iterdir() if p.is_file()]
+    total = sum(p.stat().st_size for p in files)
+    largest = sorted(files, key=lambda p: p.stat().st_size, reverse=True)[:5]
+    assert files and total < RESULTS_BYTES_LIMIT, (
+        f"benchmarks/results holds {total} bytes, over {RESULTS_BYTES_LIMIT}; the largest: "
+        + ", ".join(f"{p.name} ({p.stat().st_size})" for p in largest)
+    )
+
+
+def test_charts_are_saved_as_palette_pngs():
+    from PIL import Image
+
+    rgba = [p.name for p in harness.RESULTS.glob("*.png") if Image.open(p).mode != "P"]
+    assert rgba == [], f"saved without harness.figures.save_figure (not a palette PNG): {rgba}"
