@@ -3,19 +3,29 @@ import os
 
 import pytest
 import torch.distributed as dist
+from lightning_utilities.core.rank_zero import rank_zero_only
 
 from tests.helpers import runner
 
 
 @pytest.fixture(autouse=True)
 def _isolate_process_state():
-    """Restore environment variables and destroy any process group a test created."""
+    """Restore environment variables and Lightning's rank-zero rank, and destroy any process group a test created.
+
+    A strategy's ``set_world_ranks`` sets ``rank_zero_only.rank`` (one object for Lightning, Fabric and
+    lightning_utilities) to its global rank: a test that plays rank 1 in the test process would otherwise leave every
+    later test in that process on rank 1, where loggers write nothing (seen under pytest-xdist, whose workers run the
+    tests in another order).
+    """
     saved = dict(os.environ)
+    rank = getattr(rank_zero_only, "rank", None)
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
     os.environ.clear()
     os.environ.update(saved)
+    if rank is not None:
+        rank_zero_only.rank = rank
 
 
 @pytest.fixture
