@@ -36,7 +36,8 @@ def rounded(x: Any) -> Any:
     if isinstance(x, float):
         return float(f"{x:.{DIGITS}g}")
     if isinstance(x, dict):
-        return {k: v if "checksum" in k else rounded(v) for k, v in x.items()}
+        # keys are not always strings here (a driver's dict keyed by micro-batch count): JSON makes them strings later
+        return {k: v if isinstance(k, str) and "checksum" in k else rounded(v) for k, v in x.items()}
     return [rounded(v) for v in x] if isinstance(x, list | tuple) else x
 
 

@@ -269,3 +269,11 @@ def test_cli_full_defaults_and_explicit_repeats(tmp_path: Path):
     bench = Toy()
     harness.main(bench, ["--repeats", "1", "--out", str(tmp_path), "--steps", "7"])
     assert bench.calls == [("base", 0, 7), ("fast", 0, 7)]
+
+
+def test_rounding_keeps_checksums_and_takes_dicts_keyed_by_numbers():
+    from benchmarks.harness.compact import dumps, rounded
+
+    data = {"single": {1: 52.912345678912, 16: 157.7}, "checksum": 0.12345678901234567, "x": [1 / 3]}
+    assert rounded(data) == {"single": {1: 52.9123457, 16: 157.7}, "checksum": 0.12345678901234567, "x": [0.333333333]}
+    assert json.loads("{" + dumps(data).split("{", 1)[1])["single"] == {"1": 52.9123457, "16": 157.7}
