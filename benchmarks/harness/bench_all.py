@@ -3,8 +3,8 @@
 Runs each target of the Makefile's ``BENCH_TARGETS`` (``make --no-print-directory <target>``), timing it and going on
 past a failed one; then writes ``results/bench_all.json`` and ``results/bench_all.md``: per target its minutes and exit
 status; every target of every benchmark (its ``summary["verdicts"]``: what, target, median [min - max] over launches,
-launches, verdict); each results file's commit, flagged where it differs from the others' or where the measured code
-(``ds_lightning/``, ``benchmarks/`` but its results) changed between it and HEAD, where it rests
+launches, verdict); each results file's commit, flagged where it differs from the others' or where the code it measured
+(``ds_lightning/``, the harness and its benchmark's folder) changed between it and HEAD, where it rests
 on fewer than ``harness.MIN_LAUNCHES`` launches per arm or on a ``--quick`` run, or where this run did not rewrite it;
 and the total minutes against the 2-hour budget.
 
@@ -128,6 +128,11 @@ def _short(commit: str | None) -> str:
     return commit[:10] if commit else "unrecorded"
 
 
+def commit_of(data: dict[str, Any]) -> str | None:
+    """The commit a results file was measured at."""
+    return (data.get("package") or {}).get("commit") or None
+
+
 def _started(data: dict[str, Any]) -> datetime.datetime | None:
     try:
         return datetime.datetime.fromisoformat(data["started"])
@@ -135,14 +140,18 @@ def _started(data: dict[str, Any]) -> datetime.datetime | None:
         return None
 
 
-#: what a benchmark measures: a results file is current while none of these changed since its commit
-MEASURED = ("ds_lightning", "benchmarks", ":(exclude)benchmarks/results", ":(exclude)*.md")
+def measured_paths(benchmark: str | None) -> tuple[str, ...]:
+    """What a results file of ``benchmark`` measured, as git pathspecs: the package, the harness and the benchmark's
+    own folder (another benchmark's driver changes none of its figures); all of ``benchmarks/`` when it is unknown."""
+    module = BENCHMARKS.get(benchmark or "", ("",))[0]
+    folders = ("benchmarks/harness", f"benchmarks/{module.split('.')[0]}") if module else ("benchmarks",)
+    return ("ds_lightning", *folders, ":(exclude)benchmarks/results", ":(exclude)*.md")
 
 
-def changed_since(commit: str) -> list[str] | None:
-    """The measured files (:data:`MEASURED`) that differ between ``commit`` and HEAD; ``None`` if git cannot tell."""
+def changed_since(commit: str, paths: Sequence[str] = measured_paths(None)) -> list[str] | None:
+    """The files of ``paths`` that differ between ``commit`` and HEAD; ``None`` if git cannot tell."""
     proc = subprocess.run(
-        ["git", "diff", "--name-only", commit, "HEAD", "--", *MEASURED],
+        ["git", "diff", "--name-only", commit, "HEAD", "--", *paths],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -151,11 +160,11 @@ def changed_since(commit: str) -> list[str] | None:
     return proc.stdout.split() if proc.returncode == 0 else None
 
 
-def _code_flag(commit: str | None, head: str) -> str | None:
-    """Why a file measured at ``commit`` may not describe HEAD's code; ``None`` when it does."""
+def _code_flag(commit: str | None, head: str, benchmark: str | None = None) -> str | None:
+    """Why a file of ``benchmark`` measured at ``commit`` may not describe HEAD's code; ``None`` when it does."""
     if commit == head:
         return None
-    changed = changed_since(commit) if commit else None
+    changed = changed_since(commit, measured_paths(benchmark)) if commit else None
     if changed is None:
         return "commit unknown here: cannot tell whether the measured code changed since"
     if changed:
@@ -178,7 +187,7 @@ def _files(
         flags = []
         if commit != common:
             flags.append(f"commit differs from the most common ({_short(common)}, {count} of {len(results)} files)")
-        code = _code_flag(commit, head)
+        code = _code_flag(commit, head, data.get("benchmark"))
         if code:
             flags.append(code)
         if package.get("uncommitted"):
@@ -287,8 +296,10 @@ def build(
             "most_common": next(iter(commits.most_common(1)), (None, 0))[0],
             "one_commit": "yes" if len(commits) == 1 else "no",
             "at_head": "yes" if set(commits) == {head} else "no",
-            # the measured code (MEASURED) of every file's commit is HEAD's: results committed after a run stay current
-            "code_unchanged": "yes" if all(_code_flag(c, head) is None for c in commits) else "no",
+            # the code each file measured (measured_paths) is HEAD's: results committed after a run stay current
+            "code_unchanged": "yes"
+            if all(_code_flag(commit_of(d), head, d.get("benchmark")) is None for d in results.values())
+            else "no",
         },
         "counts": counts,
         "verdicts_from": sources,
@@ -313,7 +324,7 @@ def markdown(data: dict[str, Any]) -> list[str]:
     if c["one_commit"] == "yes" and c["code_unchanged"] == "yes" and not flagged:
         commits = (
             f"All {n['files']} results files were measured at {_short(c['most_common'])}, none flagged; the measured"
-            f" code (`ds_lightning/`, `benchmarks/` but its results) is the same at HEAD {_short(c['head'])}."
+            f" code (`ds_lightning/`, the harness, each benchmark's folder) is the same at HEAD {_short(c['head'])}."
         )
     else:
         commits = (

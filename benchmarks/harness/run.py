@@ -149,6 +149,10 @@ def run_experiment(
     return records
 
 
+#: the code a benchmark run measures, as git pathspecs: the package and the benchmarks, but not what they write
+MEASURED = ("ds_lightning", "benchmarks", ":(exclude)benchmarks/results", ":(exclude)*.md")
+
+
 def package_state() -> dict[str, Any]:
     """The commit measured, and whether the package had uncommitted changes (results describe the working tree)."""
 
@@ -160,5 +164,6 @@ def package_state() -> dict[str, Any]:
 
     return {
         "commit": git("rev-parse", "HEAD"),
-        "uncommitted": git("status", "--short", "--", "ds_lightning").splitlines(),
+        # what a run measures: the package and the benchmark code (results and pages are what it writes)
+        "uncommitted": git("status", "--short", "--", *MEASURED).splitlines(),
     }

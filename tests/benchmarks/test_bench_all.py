@@ -109,7 +109,7 @@ def test_a_run_goes_on_past_a_failed_target_and_flags_what_it_did_not_rewrite(tm
 def test_results_committed_after_the_run_stay_current_until_measured_code_changes(tmp_path: Path, monkeypatch):
     changed: dict[str, list[str]] = {"d" * 40: [], "e" * 40: ["ds_lightning/strategies/mirrored.py"]}
     monkeypatch.setattr(bench_all, "package_state", lambda: {"commit": "f" * 40, "uncommitted": []})
-    monkeypatch.setattr(bench_all, "changed_since", changed.get)
+    monkeypatch.setattr(bench_all, "changed_since", lambda commit, paths: changed.get(commit))
     _result(tmp_path, "mirrored", "d" * 40)
     _result(tmp_path, "pipeline", "d" * 40)
     data = bench_all.build(["bench-mirrored", "bench-pipeline"], [], tmp_path)
@@ -121,6 +121,23 @@ def test_results_committed_after_the_run_stay_current_until_measured_code_change
     flags = {f["file"]: f["flags"] for f in data["files"]}
     assert "measured code changed since: 1 file(s) (ds_lightning/strategies/mirrored.py)" in flags["mirrored.json"]
     assert "NOT ONE RUN AT ONE COMMIT" in "\n".join(bench_all.markdown(data))
+
+
+def test_a_change_to_one_benchmark_leaves_the_others_results_current(tmp_path: Path, monkeypatch):
+    def changed(commit: str, paths: Any) -> list[str]:  # only the faults driver changed since the run
+        return ["benchmarks/faults/driver.py"] if "benchmarks/faults" in paths else []
+
+    monkeypatch.setattr(bench_all, "package_state", lambda: {"commit": "f" * 40, "uncommitted": []})
+    monkeypatch.setattr(bench_all, "changed_since", changed)
+    _result(tmp_path, "pipeline", "d" * 40)
+    _result(tmp_path, "faults", "d" * 40)
+    data = bench_all.build(["bench-pipeline", "bench-faults"], [], tmp_path)
+    flags = {f["file"]: f["flags"] for f in data["files"]}
+    assert flags["pipeline.json"] == []
+    assert flags["faults.json"] == ["measured code changed since: 1 file(s) (benchmarks/faults/driver.py)"]
+    assert data["commits"]["code_unchanged"] == "no"
+    assert bench_all.measured_paths("pipeline")[:3] == ("ds_lightning", "benchmarks/harness", "benchmarks/pipeline")
+    assert "benchmarks" in bench_all.measured_paths("no such benchmark")  # unknown: any benchmark code counts
 
 
 def test_changed_since_reads_git():
