@@ -34,7 +34,7 @@ from typing import Any
 
 from .cli import RESULTS
 from .compact import BENCHMARKS
-from .run import REPO, package_state
+from .run import MEASURED, REPO, package_state
 from .verdict import MIN_LAUNCHES, VERDICTS
 from .writers import judged_figure, markdown_table, write_json, write_markdown
 
@@ -144,8 +144,9 @@ def measured_paths(benchmark: str | None) -> tuple[str, ...]:
     """What a results file of ``benchmark`` measured, as git pathspecs: the package, the harness and the benchmark's
     own folder (another benchmark's driver changes none of its figures); all of ``benchmarks/`` when it is unknown."""
     module = BENCHMARKS.get(benchmark or "", ("",))[0]
-    folders = ("benchmarks/harness", f"benchmarks/{module.split('.')[0]}") if module else ("benchmarks",)
-    return ("ds_lightning", *folders, ":(exclude)benchmarks/results", ":(exclude)*.md")
+    if not module:
+        return MEASURED
+    return ("ds_lightning", "benchmarks/harness", f"benchmarks/{module.split('.')[0]}", *MEASURED[2:])
 
 
 def changed_since(commit: str, paths: Sequence[str] = measured_paths(None)) -> list[str] | None:
