@@ -14,7 +14,6 @@ from typing import Any
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies.registry import _StrategyRegistry
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, Strategy
@@ -33,13 +32,8 @@ from ds_lightning.environments.parameter_server_roles import (
     torchrun_part,
 )
 from ds_lightning.parameter_server.channel import connect_servers
-from ds_lightning.parameter_server.checkpoint import (
-    ConsolidatedRun,
-    ResumePoint,
-    ShardState,
-    consolidate,
-    starting_shards,
-)
+from ds_lightning.parameter_server.checkpoint import ConsolidatedRun, ResumePoint, starting_shards
+from ds_lightning.parameter_server.chief_checkpoints import ChiefCheckpoints
 from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.collectives import LiveWorkerCollectives
 from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher
@@ -53,12 +47,11 @@ from ds_lightning.parameter_server.options import (
 from ds_lightning.parameter_server.server_process import serve_shard
 from ds_lightning.parameter_server.sharding import ParameterShardPlan, plan_shards
 from ds_lightning.parameter_server.worker_step import PushingOptimizer, WorkerStep, handle_sigterm_locally
-from ds_lightning.sharding.optimizer_layout import index_by_name
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 from ds_lightning.strategies.capabilities import StrategyCapabilities
 
 
-class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
+class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterStrategy):
     """Asynchronous (or bounded-stale) data parallelism through parameter servers, like TF's ParameterServerStrategy.
 
     ``Trainer(strategy="ds_parameter_server", devices=N)`` trains on N worker processes and starts ``num_servers``
@@ -441,28 +434,3 @@ class ParameterServerStrategy(LiveWorkerCollectives, ClusterStrategy):
         if isinstance(launcher, WorkerLauncher) and launcher.servers and self.fitting:
             launcher.reap_servers(self.timeout_seconds)
             launcher.servers = []
-
-    # --- checkpoints ----------------------------------------------------------------------------------------------
-
-    def _index_of(self) -> dict[str, int]:
-        assert self.lightning_module is not None
-        return index_by_name(self.lightning_module, self.optimizers[0])
-
-    def _consolidated_state(self, shards: list[ShardState] | None = None) -> ConsolidatedRun:
-        assert self._client is not None and self._plan is not None
-        run = {"num_servers": self.num_servers, "num_workers": self.num_workers, "max_staleness": self.max_staleness}
-        shards = shards if shards is not None else self._client.state()
-        return consolidate(shards, self._plan, self._params, self.optimizers[0], self._index_of(), run)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self.is_global_zero and (self._client is not None or self._final_state is not None):
-            state = self._final_state if self._finished else self._consolidated_state()
-            if state is not None:
-                state.write_into(checkpoint, final_params=self._params if self._finished else None)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        # The servers hold the optimizer; the chief hands them this state when training starts.
-        self._resume = ResumePoint.from_checkpoint(checkpoint)
