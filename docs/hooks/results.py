@@ -15,10 +15,12 @@ A page writes a reference where the figure goes, never the number::
 ``bench_all.json``, the summary ``make bench-all`` writes; ``what`` is the target's description or its start, and must
 name exactly one of that benchmark's targets. A page never types whether a target was met.
 
-The first argument names ``benchmarks/results/<name>.json``; the second is a dotted path into it (a list is indexed by
-number; a key that itself holds a dot is given as a list of keys instead). A path that ends at a spread (a mapping with
-``median``, ``min`` and ``max``, as the harness writes) renders as ``median [min - max]``; ``spread=False`` gives the
-median alone. ``fmt`` is a format spec (default ``.3g``), applied after multiplying by ``scale``.
+The first argument names ``benchmarks/results/<name>.json``; the second is a dotted path into it. A list is indexed by
+number, or by fields: ``summary.configs.p=2,schedule=1F1B,m=8.ratio`` takes the one entry with those fields, and fails
+when none or several match. A key that itself holds a dot is given as a list of keys instead. A path that ends at a
+spread (a mapping with ``median``, ``min`` and ``max``, as the harness writes) renders as ``median [min - max]``;
+``spread=False`` gives the median alone. ``fmt`` is a format spec (default ``.3g``), applied after multiplying by
+``scale``.
 
 Each page that reads results gets a closing note with the provenance of every file it read: the commit, the date, the
 CPU model and cores, and the torch and Lightning versions. A field a results file does not record (files written
@@ -94,6 +96,20 @@ def _parse(args: str) -> tuple[list[Any], dict[str, Any]]:
         raise ResultReferenceError(f"cannot read the arguments ({args}): give literals, e.g. {example}") from exc
 
 
+def _select(items: list[Any], key: str, where: str) -> Any:
+    """The one entry of ``items`` whose fields match ``key`` (``field=value,field=value``, compared as text).
+
+    A page names a configuration this way instead of by its position, which moves when a benchmark's grid changes.
+    """
+    wanted = dict(part.split("=", 1) for part in key.split(","))
+    found = [
+        item for item in items if isinstance(item, Mapping) and all(str(item.get(k)) == v for k, v in wanted.items())
+    ]
+    if len(found) != 1:
+        raise ResultReferenceError(f"{where}: '{key}' matches {len(found)} entries of its list, not one")
+    return found[0]
+
+
 class Results:
     """The results folder, each JSON read once."""
 
@@ -130,6 +146,8 @@ class Results:
                     shown = ", ".join(list(map(str, value))[:20])
                     raise ResultReferenceError(f"{where} has no key '{key}' at {at} (keys there: {shown})")
                 value = value[str(key)]
+            elif isinstance(value, list) and "=" in str(key):
+                value = _select(value, str(key), f"{where} at {at}")
             elif isinstance(value, list):
                 if not str(key).lstrip("-").isdigit() or not -len(value) <= int(key) < len(value):
                     raise ResultReferenceError(f"{where}: '{key}' at {at} is not an index of its list of {len(value)}")

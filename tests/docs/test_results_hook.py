@@ -39,6 +39,12 @@ MEASURED = {
             "missing": None,
         },
         "arms": ["a", "b"],
+        "configs": [
+            {"p": 2, "schedule": "GPipe", "m": 8, "ratio": 1.01},
+            {"p": 2, "schedule": "1F1B", "m": 8, "ratio": 1.02},
+            {"p": 4, "schedule": "1F1B", "m": 8, "ratio": 1.04},
+            {"p": 4, "schedule": "1F1B", "m": 8, "ratio": 1.05},
+        ],
     },
 }
 # Written before the harness recorded provenance: a commit and a start time, a core count, no CPU model or Lightning.
@@ -85,6 +91,12 @@ def test_a_value_renders_with_its_format_scale_and_spread(hook, results):
     assert out.used == ["measured"]
 
 
+def test_a_list_entry_is_selected_by_its_fields_not_its_position(hook, results):
+    text = '{{ result("measured", "summary.configs.p=2,schedule=1F1B,m=8.ratio") }}'
+    out = hook.render(text, results)
+    assert out.errors == [] and out.markdown == "1.02"
+
+
 def test_a_named_scale_turns_seconds_into_minutes(hook, results):
     text = '{{ result("measured", "summary.ds_mirrored.bytes", scale="minutes", fmt=".1f") }}'
     assert hook.render(text, results).markdown == f"{4505640 / 60:.1f}"
@@ -109,6 +121,8 @@ def test_references_in_code_are_left_alone(hook, results):
         ('result("absent", "summary")', "no results file .*absent.json; the results there: measured, old"),
         ('result("measured", "summary.ds_mirrored.nope")', "has no key 'nope' at summary.ds_mirrored .*over_plain_ddp"),
         ('result("measured", "summary.arms.7")', "'7' at summary.arms is not an index of its list of 2"),
+        ('result("measured", "summary.configs.p=8.ratio")', "'p=8' matches 0 entries of its list, not one"),
+        ('result("measured", "summary.configs.p=4,m=8.ratio")', "'p=4,m=8' matches 2 entries of its list, not one"),
         ('result("measured", "summary.ds_mirrored.missing")', "is null: the benchmark did not measure it"),
         ('result("measured", "summary.ds_mirrored")', "is a dict, not a figure"),
         ('result("measured", "summary.ds_mirrored.label", fmt=".2f")', "is 'none', not a number"),
