@@ -2,7 +2,7 @@
 schedule do on CPU?
 
 Model: 8 blocks of Linear(512, 512) + ReLU, batch 128 of fixed random data, MSE loss, SGD. For GPipe and 1F1B, m
-micro-batches (1, 2, 4, 8, 16; 1F1B needs m >= p) and p processes = stages (2, 4), it measures the median step time of
+micro-batches (1, 2, 4, 8; 1F1B needs m >= p) and p processes = stages (2, 4), it measures the median step time of
 (a) ds_pipeline under a Lightning Trainer and (b) a hand-written loop with the same torch schedule, against one process
 doing forward + backward + step (also over m sequential chunks, which isolates the cost of micro-batching). Every
 configuration of one (implementation, p) runs inside one launch of p processes (gloo, 1 thread each), an arm of the
@@ -19,7 +19,7 @@ for p=2 and m=8, a Chrome trace and a PNG timeline per schedule and implementati
 (``pipeline_trace_<impl>_<schedule>.json/.png``); under ``--model gpt`` every name starts ``pipeline_gpt``.
 
     python -m benchmarks.pipeline.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
-        [--steps 40] [--warmup 5] [--procs 2 4] [--ms 1 2 4 8 16] [--batch 128] [--timeout 600] [--dist-timeout 120]
+        [--steps 40] [--warmup 5] [--procs 2 4] [--ms 1 2 4 8] [--batch 128] [--timeout 600] [--dist-timeout 120]
         [--gpt-layers 4] [--gpt-heads 4] [--gpt-width 128] [--gpt-block 128]
 
 ``--model digits`` (the default) keeps this benchmark's own 8 x Linear(512, 512) model on random data rather than the
@@ -61,7 +61,7 @@ WORKER = Path(__file__).resolve().parent / "worker.py"
 DIGITS_DEPTH = 8
 # Per-model values of the options left unset: a full run, then what --quick changes.
 MODEL_DEFAULTS: dict[str, dict[str, Any]] = {
-    "digits": {"steps": 40, "warmup": 5, "ms": [1, 2, 4, 8, 16], "batch": 128},
+    "digits": {"steps": 40, "warmup": 5, "ms": [1, 2, 4, 8], "batch": 128},
     "gpt": {"steps": 10, "warmup": 4, "ms": [1, 2, 4, 8], "batch": 8},
 }
 MODEL_QUICK: dict[str, dict[str, Any]] = {
@@ -237,9 +237,7 @@ class Pipeline(harness.Benchmark):
         )
         parser.add_argument("--warmup", type=int, default=None, help="discarded steps first (5, GPT 4; --quick 3)")
         parser.add_argument("--procs", type=int, nargs="+", default=None, help="processes = stages (2 4)")
-        parser.add_argument(
-            "--ms", type=int, nargs="+", default=None, help="micro-batch counts (1 2 4 8 16, GPT 1 2 4 8; --quick 2 4)"
-        )
+        parser.add_argument("--ms", type=int, nargs="+", default=None, help="micro-batch counts (1 2 4 8; --quick 2 4)")
         parser.add_argument("--batch", type=int, default=None, help="rows per step (128; GPT 8 windows)")
         parser.add_argument("--timeout", type=float, default=600.0, help="seconds one launch may take (600)")
         parser.add_argument("--dist-timeout", type=int, default=120, help="seconds a collective may wait (120)")

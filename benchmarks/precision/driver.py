@@ -23,7 +23,7 @@ backward in one step (each storage once, parameters excluded), split into activa
 weight copies. Ratios are per launch against that launch's fp32 run.
 
     python -m benchmarks.precision.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
-        [--steps 20 (GPT: 10)] [--warmup 3 (GPT: 2)] [--batch-size 256 (GPT: 8)] [--hidden 1024 1024]
+        [--steps 10 (GPT: 6)] [--warmup 3 (GPT: 2)] [--batch-size 256 (GPT: 8)] [--hidden 1024 1024]
         [--configs fp32 auto bf16 (CUDA: and fp16)] [--accelerator auto|cpu|cuda]
         [--gpt-layers 4 --gpt-heads 4 --gpt-width 128 --gpt-block 128]
 """
@@ -62,8 +62,8 @@ MB = 1024**2
 #: per-workload defaults of the options left unset: a full run, then --quick (fp16 on a CPU without native fp16 takes
 #: ~4 s per GPT step, so the GPT's runs are short)
 MODEL_DEFAULTS = {
-    "digits": ({"steps": 20, "warmup": 3, "batch_size": 256}, {"steps": 3, "warmup": 1}),
-    "gpt": ({"steps": 10, "warmup": 2, "batch_size": 8}, {"steps": 3, "warmup": 1}),
+    "digits": ({"steps": 10, "warmup": 3, "batch_size": 256}, {"steps": 3, "warmup": 1}),
+    "gpt": ({"steps": 6, "warmup": 2, "batch_size": 8}, {"steps": 3, "warmup": 1}),
 }
 
 
@@ -95,7 +95,7 @@ class Precision(harness.Benchmark):
 
     def options(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument(
-            "--steps", type=int, default=None, help="timed steps per run (digits 20, GPT 10; --quick: 3)"
+            "--steps", type=int, default=None, help="timed steps per run (digits 10, GPT 6; --quick: 3)"
         )
         parser.add_argument(
             "--warmup", type=int, default=None, help="warm-up steps left out (digits 3, GPT 2; --quick: 1)"

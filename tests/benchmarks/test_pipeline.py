@@ -31,7 +31,7 @@ def test_defaults_depend_on_the_model_and_quick():
     assert (digits.steps, digits.warmup, digits.ms, digits.batch, digits.procs) == (
         40,
         5,
-        [1, 2, 4, 8, 16],
+        [1, 2, 4, 8],
         128,
         [2, 4],
     )

@@ -23,11 +23,11 @@ def _opts(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ((), (20, 3, 256)),
+        ((), (10, 3, 256)),
         (("--quick",), (3, 1, 256)),
-        (("--model", "gpt"), (10, 2, 8)),
+        (("--model", "gpt"), (6, 2, 8)),
         (("--model", "gpt", "--quick"), (3, 1, 8)),
-        (("--model", "gpt", "--batch-size", "4", "--warmup", "0"), (10, 0, 4)),
+        (("--model", "gpt", "--batch-size", "4", "--warmup", "0"), (6, 0, 4)),
     ],
 )
 def test_per_workload_defaults_fill_only_what_is_unset(argv: tuple[str, ...], expected: tuple[int, ...]):
