@@ -11,7 +11,8 @@ resumes from the last backup:
 Killing only the second host's trainers (its agent lives on and restarts them) is covered too, under ds_mirrored.
 Under ds_parameter_server the second host's one process is the parameter server (torchrun's last rank serves): killed
 with its agent and started again, the group (server included) restarts and resumes from the chief's backup.
-Every time the job ends with the parameters of the same run uninterrupted (1e-5). The rendezvous host is the one that
+Every time the job ends with the parameters of the same run uninterrupted (1e-5); the control resumes the same backup
+without its momentum and ends more than 1e-3 away. The rendezvous host is the one that
 survives: torchrun's c10d store lives in its agent (see docs/fault-tolerance.md).
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import re
 import time
 from pathlib import Path
 
@@ -28,6 +30,7 @@ import torch
 from ds_lightning.testing import free_port
 from ds_lightning.testing.netns import Cluster
 from ds_lightning.testing.torchrun import ElasticNode, start_node, wait_all
+from tests.helpers.controls import assert_far, without_optimizer_state
 from tests.helpers.runner import REPO, ds_train
 
 pytestmark = pytest.mark.multiprocess
@@ -102,6 +105,7 @@ trainer:
         backup_dir: {root / "backups"}
         every_n_train_steps: {BACKUP_EVERY}
         async_save: false
+        keep: {MAX_STEPS // BACKUP_EVERY}  # every backup stays, for the controls
     - class_path: tests.helpers.callbacks.SaveParams
       init_args:
         path: {root / "final"}
@@ -201,8 +205,35 @@ def _start(
     ]
 
 
-def _elastic_run(cluster_factory, uninterrupted, tmp_path: Path, strategy: str, fault: str) -> tuple[dict, dict]:
-    """Starts the job, hits the second host at a random step and returns (final, uninterrupted) parameters.
+def _assert_the_resume_needs_the_momentum(root: Path, strategy: str, output: str, expected: dict) -> None:
+    """The control: the backup the group last resumed from, with its SGD momentum dropped, resumed on this machine at
+    the final round's world size ends more than 1e-3 from the uninterrupted run; so the 1e-5 comparison sees a resume
+    that lost the optimizer state."""
+    steps = re.findall(r"BackupAndRestore: resumed at step (\d+)", output)
+    assert steps, f"no resume in rank 0's output:\n{output[-4000:]}"
+    step, world_size = int(steps[-1]), _final(root)["world_size"]
+    dropped = without_optimizer_state(
+        root / "backups" / f"backup-step{step:09d}.ckpt", root.parent / "no_momentum.ckpt"
+    )
+    control = root.parent / "control"
+    args = [
+        "fit",
+        f"--config={_config(control, strategy)}",
+        f"--trainer.devices={world_size}",
+        f"--ckpt_path={dropped}",
+    ]
+    ds_train(args, timeout=RUN_TIMEOUT, ranks=world_size)
+    record = _final(control)
+    per_step = 1 if strategy == "ds_parameter_server" else _whole_run_batches(strategy, world_size) // MAX_STEPS
+    assert record["batches_this_run"] == (MAX_STEPS - step) * per_step, "the control did not resume the backup"
+    assert_far(expected["state_dict"], record["state_dict"], 1e-3, "the resume without momentum")
+
+
+def _elastic_run(
+    cluster_factory, uninterrupted, tmp_path: Path, strategy: str, fault: str
+) -> tuple[dict, dict, tuple[Path, str]]:
+    """Starts the job, hits the second host at a random step and returns (final, uninterrupted) parameters and what
+    the control needs (the job's folder, rank 0's output).
 
     ``fault``: ``"host back"`` kills its agent and trainers and starts its torchrun again, ``"host gone"`` kills them
     for good.
@@ -222,7 +253,7 @@ def _elastic_run(cluster_factory, uninterrupted, tmp_path: Path, strategy: str, 
     wait_all(running, RUN_TIMEOUT)
     for node in running:
         assert node.proc.returncode == 0, f"{node} exited with {node.proc.returncode}:\n{node.output[-6000:]}"
-    return _final(root), expected
+    return _final(root), expected, (root, running[0].output)
 
 
 def _whole_run_batches(strategy: str, world_size: int) -> int:
@@ -235,11 +266,12 @@ def _whole_run_batches(strategy: str, world_size: int) -> int:
 def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrupted(
     cluster_factory, uninterrupted, tmp_path, strategy
 ):
-    final, expected = _elastic_run(cluster_factory, uninterrupted, tmp_path, strategy, fault="host back")
+    final, expected, job = _elastic_run(cluster_factory, uninterrupted, tmp_path, strategy, fault="host back")
     assert final["world_size"] == 2
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches(strategy, 2), "the restarted group trained from scratch"
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
+    _assert_the_resume_needs_the_momentum(job[0], strategy, job[1], expected)
 
 
 # ds_mirrored only: the survivors' smaller world keeps the global batch by accumulation (a pipeline's processes are
@@ -248,11 +280,12 @@ def test_a_killed_host_that_comes_back_rejoins_and_the_run_ends_as_if_uninterrup
 def test_a_host_lost_for_good_leaves_the_survivors_to_finish_at_half_the_world_size_as_if_uninterrupted(
     cluster_factory, uninterrupted, tmp_path, strategy
 ):
-    final, expected = _elastic_run(cluster_factory, uninterrupted, tmp_path, strategy, fault="host gone")
+    final, expected, job = _elastic_run(cluster_factory, uninterrupted, tmp_path, strategy, fault="host gone")
     assert final["world_size"] == 1
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches(strategy, 1), "the survivors trained from scratch"
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
+    _assert_the_resume_needs_the_momentum(job[0], strategy, job[1], expected)
 
 
 def test_a_killed_parameter_server_host_comes_back_and_the_run_ends_as_if_uninterrupted(cluster_factory, tmp_path):
@@ -280,3 +313,4 @@ def test_a_killed_parameter_server_host_comes_back_and_the_run_ends_as_if_uninte
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < _whole_run_batches(strategy, 1), "the restarted group trained from scratch"
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
+    _assert_the_resume_needs_the_momentum(root, strategy, running[0].output, expected)

@@ -15,6 +15,7 @@ import re
 import time
 
 import pytest
+import torch
 
 from ds_lightning.testing.netns import Cluster
 from tests.cluster.tasks import (
@@ -88,6 +89,8 @@ def test_a_link_cut_for_good_fails_every_rank_in_time_and_the_checkpoint_resumes
         f"--trainer.callbacks.dirpath={ckpt}",
         "--trainer.callbacks.every_n_train_steps=5",
         "--trainer.callbacks.save_last=true",
+        "--trainer.callbacks+=tests.helpers.callbacks.SaveParams",
+        f"--trainer.callbacks.path={tmp_path / 'final'}",
     )
     tasks = start_all(spec, hosts, args, tmp_path / "cut")
     wait_for_step(heartbeat, 0, 12, tasks)
@@ -102,6 +105,8 @@ def test_a_link_cut_for_good_fails_every_rank_in_time_and_the_checkpoint_resumes
     assert [cluster.pids(host) for host in cluster.hosts] == [[], []]  # no process left behind on any host
     last = ckpt / "last.ckpt"
     assert last.exists(), sorted(p.name for p in ckpt.iterdir())
+    saved = torch.load(last, weights_only=False)["global_step"]  # read now: the resumed run rewrites last.ckpt
+    assert 0 < saved < 60
 
     cluster.restore(cluster.hosts[1])
     resumed = start_all(spec, hosts, [*args, f"--ckpt_path={last}"], tmp_path / "resumed")
@@ -109,6 +114,9 @@ def test_a_link_cut_for_good_fails_every_rank_in_time_and_the_checkpoint_resumes
     assert_succeeded(resumed)
     assert "Restored all states from the checkpoint" in resumed[0].output
     assert step_of(heartbeat, 0) == step_of(heartbeat, 1) == 60
+    # Each rank trained only the steps after the checkpoint's; a run that ignored it would train all 60 (the control).
+    for rank in range(2):
+        assert torch.load(tmp_path / f"final.rank{rank}.pt")["batches_this_run"] == 60 - saved
 
 
 def _parameter_server(cluster: Cluster, tmp_path, heartbeat, delay_s: float = 0.05) -> tuple[dict, list[str]]:

@@ -15,6 +15,7 @@ from ds_lightning.sharding import check_shardable
 from ds_lightning.strategies import MirroredStrategy
 from tests.helpers import zero_workers
 from tests.helpers.backup_compose import assert_composed_run_matches_plain_and_resumes
+from tests.helpers.controls import assert_far, without_optimizer_state
 from tests.helpers.runner import ds_train, free_port, run_module
 from tests.helpers.sharding_runs import assert_plain_optimizer_layout, epoch_checkpoint, resume_on_one_device
 from tests.helpers.sharding_runs import fit_args as _fit_args
@@ -149,6 +150,15 @@ def test_resume_on_two_sharded_ranks_equals_the_uninterrupted_run(runs, tmp_path
         assert_close(resumed["state_dict"][name], value, atol=1e-5, rtol=1e-5)
     shards = [_record(out, r)["state_bytes"] for r in range(2)]
     assert shards == [_record(runs / "sharded" / "params", r)["state_bytes"] for r in range(2)]  # sharded again
+
+    # The control: the same file without Adam's moments resumes at the same step and ends far from the straight run,
+    # so the comparison above sees whether the shards got their state back.
+    dropped = without_optimizer_state(checkpoint, tmp_path / "dropped.ckpt")
+    control_out = tmp_path / "control" / "params"
+    ds_train([*_fit_args(tmp_path / "control", control_out, 2, True), f"--ckpt_path={dropped}"], timeout=240, ranks=2)
+    control = _params(control_out, 0)
+    assert control["global_step"] == 46 and control["batches_this_run"] == 23  # it resumed the file
+    assert_far(straight["state_dict"], control["state_dict"], 1e-3, "the resume without Adam's state")
 
 
 # --- composed: PowerSGD, accumulation, LR scaling, a step scheduler and BackupAndRestore ------------------------------

@@ -3,11 +3,13 @@
 ``torchrun --standalone --nproc-per-node=3`` runs 2 workers and 1 server (rank 2). Bulk synchronous
 (``max_staleness=0``) training is deterministic, so the run must end with the parameters of the same config run by
 ``ds-train`` (2 workers, the chief starting the server), 1e-5; also when worker 1 is SIGKILLed at a step and torchrun
-(``--max-restarts=1``) restarts every process, the server included, and ``BackupAndRestore`` resumes.
+(``--max-restarts=1``) restarts every process, the server included, and ``BackupAndRestore`` resumes. Its control
+resumes the same backup without the servers' momentum and ends far away.
 """
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 import torch
 
 from ds_lightning.testing.processes import worker_env
+from tests.helpers.controls import assert_far, without_optimizer_state
 from tests.helpers.runner import REPO, ds_train
 
 pytestmark = pytest.mark.multiprocess
@@ -55,6 +58,7 @@ trainer:
         backup_dir: {root / "backups"}
         every_n_train_steps: {BACKUP_EVERY}
         async_save: false
+        keep: {MAX_STEPS // BACKUP_EVERY}
     - class_path: tests.helpers.callbacks.SaveParams
       init_args:
         path: {root / "final"}
@@ -132,3 +136,16 @@ def test_a_killed_worker_restarts_the_group_and_backup_and_restore_resumes_exact
     assert final["global_step"] == MAX_STEPS
     assert final["batches_this_run"] < MAX_STEPS, "the restarted group trained from scratch"
     torch.testing.assert_close(final["state_dict"], expected["state_dict"], rtol=1e-5, atol=1e-5)
+
+    # The control: the backup the restarted group resumed from, with the servers' momentum dropped, resumed by
+    # ds-train, ends far from the run; so the comparison above sees whether the servers got their state back.
+    step = int(re.search(r"BackupAndRestore: resumed at step (\d+)", output)[1])
+    assert step == KILL_AT // BACKUP_EVERY * BACKUP_EVERY  # the last backup before the kill
+    resumed_from = tmp_path / "backups" / f"backup-step{step:09d}.ckpt"
+    dropped = without_optimizer_state(resumed_from, tmp_path / "no_momentum.ckpt")
+    control_root = tmp_path / "control"
+    ds_train(["fit", f"--config={_config(control_root)}", f"--ckpt_path={dropped}"], timeout=RUN_TIMEOUT)
+    control = _final(control_root)
+    assert control["global_step"] == MAX_STEPS
+    assert control["batches_this_run"] == MAX_STEPS - step  # it resumed the backup
+    assert_far(expected["state_dict"], control["state_dict"], 1e-3, "the resume without the servers' momentum")
