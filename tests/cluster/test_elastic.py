@@ -12,8 +12,8 @@ Killing only the second host's trainers (its agent lives on and restarts them) i
 Under ds_parameter_server the second host's one process is the parameter server (torchrun's last rank serves): killed
 with its agent and started again, the group (server included) restarts and resumes from the chief's backup.
 Every time the job ends with the parameters of the same run uninterrupted (1e-5); the control resumes the same backup
-without its momentum and ends more than 1e-3 away. The rendezvous host is the one that
-survives: torchrun's c10d store lives in its agent (see docs/fault-tolerance.md).
+without its momentum and ends more than 1e-3 away. The rendezvous host is the one that survives: torchrun's c10d
+store lives in its agent (see docs/fault-tolerance.md).
 """
 
 from __future__ import annotations
