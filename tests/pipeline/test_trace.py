@@ -276,6 +276,10 @@ def test_render_timeline_png_writes_a_png(tmp_path):
     data = target.read_bytes()
     assert data.startswith(PNG_SIGNATURE)
     assert len(data) > 1000
+    from PIL import Image
+
+    with Image.open(target) as image:  # a palette PNG: the committed benchmark traces stay small
+        assert image.mode == "P"
 
 
 def test_render_timeline_png_leaves_the_global_backend_alone(tmp_path):
