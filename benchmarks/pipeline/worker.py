@@ -1,18 +1,11 @@
-"""One launch of the pipeline benchmark: every configuration of one (implementation, processes) pair.
+"""One launch of the pipeline benchmark: every configuration of one (implementation, p) pair, see README.md.
 
-Started by ``driver.py`` with a JSON spec; its ``"workload"`` entry picks the model: the default 8 x
-(Linear(512, 512) + ReLU) on random data (MSE, SGD), or the byte-level GPT of ``harness/workloads.py`` on text
-windows (cross-entropy, AdamW), split into an embedding-led first stage, equal runs of blocks, and a last stage that
-ends with the final norm and the head. ``--impl single`` runs one process (forward + backward + step,
-optionally over m sequential chunks); ``hand`` spawns p ranks running a hand-written ``torch.distributed.pipelining``
-loop; ``ds`` runs one Lightning Trainer with ``ds_pipeline`` per configuration (Lightning's popen launcher re-runs this
-script per rank, and the process group stays up between fits). Each rank appends one JSON line per finished
-configuration to ``<out_dir>/rank<r>.jsonl``, so a crash or a hang loses only the configuration it happened in.
+Each rank appends one JSON line per finished configuration to ``<out_dir>/rank<r>.jsonl``, so a crash or a hang loses
+only the configuration it happened in.
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import functools
 import json
@@ -30,13 +23,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.harness import workloads as _workloads
-
-WIDTH, DEPTH, BATCH, SAMPLES, LR = 512, 8, 128, 1024, 0.01
+WIDTH, DEPTH, SAMPLES, LR = 512, 8, 1024, 0.01
 GPT_LR, DISTINCT_BATCHES = 3e-4, 8
-
-
-# --- activation memory ------------------------------------------------------------------------------------------------
 
 
 class _Saved:
@@ -52,27 +40,21 @@ class _Saved:
 
 
 class ActivationMeter:
-    """Live and peak bytes of the tensors autograd saves for backward inside :class:`Counted` blocks.
-
-    Parameters (the weight a Linear saves) are not activations and are skipped. A tensor saved twice (a ReLU's output
-    is also the next Linear's input) counts once while any of its saves is alive.
-    """
+    """Live and peak bytes autograd saves for backward inside :class:`Counted` blocks; parameters are skipped, and a
+    tensor saved twice (a ReLU's output is also the next Linear's input) counts once while any save is alive."""
 
     def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
+        self.live = self.peak = 0
         self._refs: dict[tuple[int, int], int] = {}
 
     def pack(self, skip: frozenset[int], tensor: torch.Tensor) -> Any:
-        ptr = tensor.data_ptr()
-        if ptr in skip:
+        if tensor.data_ptr() in skip:
             return tensor
-        key = (ptr, tensor.nbytes)
-        count = self._refs.get(key, 0)
-        if count == 0:
+        key = (tensor.data_ptr(), tensor.nbytes)
+        if not self._refs.get(key):
             self.live += tensor.nbytes
             self.peak = max(self.peak, self.live)
-        self._refs[key] = count + 1
+        self._refs[key] = self._refs.get(key, 0) + 1
         # Detached: a saved output holding its own grad_fn would be a reference cycle, freed only by the gc.
         return _Saved(tensor.detach(), key, self)
 
@@ -81,10 +63,8 @@ class ActivationMeter:
         return saved.tensor if isinstance(saved, _Saved) else saved
 
     def release(self, key: tuple[int, int]) -> None:
-        count = self._refs[key] - 1
-        if count:
-            self._refs[key] = count
-        else:
+        self._refs[key] -= 1
+        if not self._refs[key]:
             del self._refs[key]
             self.live -= key[1]
 
@@ -96,7 +76,7 @@ METER = ActivationMeter()
 
 
 class Counted(nn.Module):
-    """Runs one block with its saved-for-backward tensors counted by :data:`METER` (used by every implementation)."""
+    """One block with its saved-for-backward tensors counted by :data:`METER` (in every implementation alike)."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
@@ -108,27 +88,20 @@ class Counted(nn.Module):
             return self.block(x)
 
 
-def _workload(spec: dict[str, Any]) -> dict[str, Any]:
-    return spec.get("workload") or {"model": "digits"}
-
-
 def is_gpt(spec: dict[str, Any]) -> bool:
-    return _workload(spec)["model"] == "gpt"
-
-
-def batch_rows(spec: dict[str, Any]) -> int:
-    """Rows of one step's batch: random vectors for the default model, windows of text for the GPT."""
-    return int(spec.get("batch") or BATCH)
+    return spec.get("workload", {}).get("model") == "gpt"
 
 
 @functools.cache
-def _gpt(workload: str, seed: int) -> _workloads.Workload:
-    return _workloads.build(json.loads(workload), seed=seed)
+def _gpt(workload: str, seed: int) -> Any:
+    from benchmarks.harness import workloads  # here: the digits model runs without importing Lightning
+
+    return workloads.build(json.loads(workload), seed=seed)
 
 
-def gpt_workload(spec: dict[str, Any]) -> _workloads.Workload:
+def gpt_workload(spec: dict[str, Any]) -> Any:
     """The GPT and its text, built once per process (every configuration starts from a copy of the same weights)."""
-    return _gpt(json.dumps(_workload(spec), sort_keys=True), spec["seed"])
+    return _gpt(json.dumps(spec["workload"], sort_keys=True), spec["seed"])
 
 
 def make_net(spec: dict[str, Any]) -> nn.Sequential:
@@ -141,8 +114,7 @@ def make_net(spec: dict[str, Any]) -> nn.Sequential:
 def make_data(spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and targets of every distinct batch, in order (steps cycle through them)."""
     if is_gpt(spec):
-        windows = gpt_workload(spec).train_set
-        pairs = [windows[i] for i in range(DISTINCT_BATCHES * batch_rows(spec))]
+        pairs = [gpt_workload(spec).train_set[i] for i in range(DISTINCT_BATCHES * spec["batch"])]
         return torch.stack([x for x, _ in pairs]), torch.stack([y for _, y in pairs])
     g = torch.Generator().manual_seed(spec["seed"] + 1)
     return torch.randn(SAMPLES, WIDTH, generator=g), torch.randn(SAMPLES, WIDTH, generator=g)
@@ -150,8 +122,7 @@ def make_data(spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def batches(spec: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x, y = make_data(spec)
-    rows = batch_rows(spec)
-    return [(x[i : i + rows], y[i : i + rows]) for i in range(0, len(x), rows)]
+    return [(x[i : i + spec["batch"]], y[i : i + spec["batch"]]) for i in range(0, len(x), spec["batch"])]
 
 
 def loss_fn(spec: dict[str, Any]) -> Any:
@@ -163,14 +134,12 @@ def make_optimizer(spec: dict[str, Any], params: Any) -> torch.optim.Optimizer:
 
 
 def stage_balance(spec: dict[str, Any], stages: int) -> list[int]:
-    """Layers per stage: equal for the default model; for the GPT, the blocks split equally with the embedding on the
-    first stage and the final norm and head on the last (the benchmark refuses a block count p does not divide)."""
+    """Layers per stage: the blocks split equally; the GPT's embedding joins the first stage, its final norm and head
+    the last."""
     if not is_gpt(spec):
         return [DEPTH // stages] * stages
     per = (len(gpt_workload(spec).net) - 3) // stages  # the net: embedding, blocks, final norm, head
-    if stages == 1:
-        return [per + 3]
-    return [per + 1] + [per] * (stages - 2) + [per + 2]
+    return [per + 3] if stages == 1 else [per + 1] + [per] * (stages - 2) + [per + 2]
 
 
 def stage_blocks(net: nn.Sequential, stage: int, stages: int, spec: dict[str, Any]) -> nn.Sequential:
@@ -183,7 +152,9 @@ def sample_input(spec: dict[str, Any], stage: int, rows: int) -> torch.Tensor:
     """One micro-batch's input to ``stage``: token ids for the GPT's first stage, float activations after it."""
     if not is_gpt(spec):
         return torch.randn(rows, WIDTH, requires_grad=stage > 0)
-    shape = {**_workloads.GPT_DEFAULTS, **_workload(spec)}
+    from benchmarks.harness.workloads import GPT_DEFAULTS
+
+    shape = {**GPT_DEFAULTS, **spec["workload"]}
     if stage == 0:
         return torch.randint(0, 256, (rows, shape["block_size"]))
     return torch.randn(rows, shape["block_size"], shape["d_model"], requires_grad=True)
@@ -192,77 +163,56 @@ def sample_input(spec: dict[str, Any], stage: int, rows: int) -> torch.Tensor:
 def unit_bytes(spec: dict[str, Any], stage: int, stages: int, m: int) -> int:
     """Activation bytes one micro-batch (batch / m rows) leaves saved in one stage's blocks."""
     blocks = stage_blocks(make_net(spec), stage, stages, spec)
-    x = sample_input(spec, stage, batch_rows(spec) // m)
     base = METER.live
     METER.reset_peak()
-    out = blocks(x)
+    out = blocks(sample_input(spec, stage, spec["batch"] // m))
     measured = METER.peak - base
     del out
     METER.reset_peak()
     return measured
 
 
-def _cpu_ms_per_step(since: float, steps: int) -> float:
-    """This process's CPU time (every thread: gloo's too) per timed step: with more processes than cores, what the
-    ranks spend together bounds the step from below."""
-    return 1000 * (time.process_time() - since) / steps
+def record(spec: dict[str, Any], rank: int, stages: int, cfg: dict[str, Any], ms: list[float], **extra: Any) -> None:
+    """One rank's line for one configuration: step times, its activation peak against one micro-batch's, CPU time per
+    step (every thread, gloo's too: with more processes than cores, the ranks' sum bounds the step from below)."""
+    peak = METER.peak  # before unit_bytes, which measures a micro-batch with the same meter
+    line = {"key": cfg["key"], "rank": rank, "step_ms": ms, "median_step_ms": statistics.median(ms) if ms else None}
+    line.update(peak_bytes={str(rank): peak}, unit_bytes={str(rank): unit_bytes(spec, rank, stages, cfg["m"])})
+    with (Path(spec["out_dir"]) / f"rank{rank}.jsonl").open("a") as f:
+        f.write(json.dumps({**line, **extra}) + "\n")
 
 
-def record(spec: dict[str, Any], rank: int, cfg: dict[str, Any], times: list[float], **extra: Any) -> None:
-    line = {
-        "key": cfg["key"],
-        "rank": rank,
-        "step_ms": [1000 * t for t in times],
-        "median_step_ms": 1000 * statistics.median(times) if times else None,
-        **extra,
-    }
-    path = Path(spec["out_dir"]) / f"rank{rank}.jsonl"
-    with path.open("a") as f:
-        f.write(json.dumps(line) + "\n")
-        f.flush()
-
-
-def record_stage(
-    spec: dict[str, Any], rank: int, cfg: dict[str, Any], times: list[float], spans: list[Any], cpu_ms: float | None
-) -> None:
-    """One pipeline stage's record: its step times, activation peak against one micro-batch's, spans and CPU time."""
-    peak = {str(rank): METER.peak}  # before unit_bytes, which measures a micro-batch with the same meter
-    unit = unit_bytes(spec, rank, spec["procs"], cfg["m"])
-    record(spec, rank, cfg, times, peak_bytes=peak, unit_bytes={str(rank): unit}, spans=spans, cpu_ms=cpu_ms)
-
-
-# --- single process ---------------------------------------------------------------------------------------------------
+def timed_loop(spec: dict[str, Any], step: Any, begin: Any = None) -> tuple[list[float], float]:
+    """Warm-up, then the timed steps of ``step(i)`` (optimizer included): the times (ms) and CPU ms per timed step."""
+    times: list[float] = []
+    for i in range(spec["warmup"] + spec["steps"]):
+        if begin:
+            begin(i)
+        if i == spec["warmup"]:
+            METER.reset_peak()
+            cpu = time.process_time()
+        start = time.perf_counter()
+        step(i)
+        if i >= spec["warmup"]:
+            times.append(1000 * (time.perf_counter() - start))
+    return times, 1000 * (time.process_time() - cpu) / spec["steps"]
 
 
 def run_single(spec: dict[str, Any]) -> None:
-    torch.set_num_threads(1)
     data, loss = batches(spec), loss_fn(spec)
     for cfg in spec["configs"]:
-        m = cfg["m"]
-        net = make_net(spec)
+        m, net = cfg["m"], make_net(spec)
         optimizer = make_optimizer(spec, net.parameters())
-        times: list[float] = []
-        for step in range(spec["warmup"] + spec["steps"]):
-            x, y = data[step % len(data)]
-            if step == spec["warmup"]:
-                METER.reset_peak()
-                cpu = time.process_time()
-            start = time.perf_counter()
-            if m == 1:
-                loss(net(x), y).backward()
-            else:  # m sequential chunks, gradients accumulated: micro-batching without a pipeline
-                for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):
-                    (loss(net(xc), yc) / m).backward()
+
+        def step(i: int, net: nn.Module = net, m: int = m, optimizer: Any = optimizer) -> None:
+            x, y = data[i % len(data)]
+            for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):  # m sequential chunks: no pipeline
+                (loss(net(xc), yc) / m).backward()
             optimizer.step()
             optimizer.zero_grad()
-            elapsed = time.perf_counter() - start
-            if step >= spec["warmup"]:
-                times.append(elapsed)
-        peak, cpu_ms = METER.peak, _cpu_ms_per_step(cpu, spec["steps"])
-        record(spec, 0, cfg, times, peak_bytes={"0": peak}, unit_bytes={"0": unit_bytes(spec, 0, 1, m)}, cpu_ms=cpu_ms)
 
-
-# --- hand-written torch.distributed.pipelining loop -------------------------------------------------------------------
+        times, cpu_ms = timed_loop(spec, step)
+        record(spec, 0, 1, cfg, times, cpu_ms=cpu_ms)
 
 
 def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
@@ -276,37 +226,24 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
     p = spec["procs"]
     dist.init_process_group("gloo", rank=rank, world_size=p, timeout=timedelta(seconds=spec["dist_timeout"]))
     data, loss = batches(spec), loss_fn(spec)
-    classes = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
     for cfg in spec["configs"]:
         dist.barrier()
-        m = cfg["m"]
         blocks = stage_blocks(make_net(spec), rank, p, spec)
         recorder = SpanRecorder(rank, steps=spec["trace_steps"], skip_steps=1)
         stage = TracedStage(blocks, rank, p, torch.device("cpu"), recorder=recorder)
-        schedule = classes[cfg["schedule"]](stage, n_microbatches=m, loss_fn=loss, scale_grads=True)
+        kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg["schedule"]]
+        schedule = kind(stage, n_microbatches=cfg["m"], loss_fn=loss, scale_grads=True)
         optimizer = make_optimizer(spec, blocks.parameters())
-        times: list[float] = []
-        for step in range(spec["warmup"] + spec["steps"]):
-            x, y = data[step % len(data)]
-            recorder.begin_step(step)
-            if step == spec["warmup"]:
-                METER.reset_peak()
-                cpu = time.process_time()
-            start = time.perf_counter()
-            if rank == 0:
-                schedule.step(x)
-            elif rank == p - 1:
-                schedule.step(target=y)
-            else:
-                schedule.step()
+
+        def step(i: int, schedule: Any = schedule, optimizer: Any = optimizer) -> None:
+            x, y = data[i % len(data)]
+            schedule.step(*([x] if rank == 0 else []), **({"target": y} if rank == p - 1 else {}))
             optimizer.step()
             optimizer.zero_grad()
-            elapsed = time.perf_counter() - start
-            if step >= spec["warmup"]:
-                times.append(elapsed)
-        record_stage(spec, rank, cfg, times, recorder.to_payload(), _cpu_ms_per_step(cpu, spec["steps"]))
-    dist.barrier()
-    dist.destroy_process_group()
+
+        times, cpu_ms = timed_loop(spec, step, recorder.begin_step)
+        record(spec, rank, p, cfg, times, spans=recorder.to_payload(), cpu_ms=cpu_ms)
+    leave(spec, rank, p)
 
 
 def run_hand(spec: dict[str, Any]) -> None:
@@ -315,20 +252,15 @@ def run_hand(spec: dict[str, Any]) -> None:
     mp.spawn(_hand_rank, args=(spec,), nprocs=spec["procs"], join=True)
 
 
-# --- ds_pipeline under a Lightning Trainer ----------------------------------------------------------------------------
-
-
 def _spans_from_chrome(path: Path) -> list[list[Any]]:
     """Span payload tuples back from the strategy's Chrome trace (times relative to the first span)."""
     spans = []
     for e in json.loads(path.read_text())["traceEvents"]:
-        if e.get("ph") != "X":
-            continue
-        a = e["args"]
-        start = round(e["ts"] * 1000)
-        spans.append(
-            [e["pid"], a["stage"], a["kind"], a["microbatch"], a["step"], start, start + round(e["dur"] * 1000)]
-        )
+        if e.get("ph") == "X":
+            a, start = e["args"], round(e["ts"] * 1000)
+            spans.append(
+                [e["pid"], a["stage"], a["kind"], a["microbatch"], a["step"], start, start + round(e["dur"] * 1000)]
+            )
     return spans
 
 
@@ -349,14 +281,14 @@ def run_ds(spec: dict[str, Any]) -> None:
             return loss(output, target)
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return self.pipeline_loss(self.net(x), y)
+            return self.pipeline_loss(self.net(batch[0]), batch[1])
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(spec, self.parameters())
 
     class Timer(StepTimer):
-        """The harness's clock; the activation peak restarts with the first timed step."""
+        """The harness's clock; the activation peak and the CPU clock start with the first timed step, and the CPU
+        clock stops after the last (Lightning's work between steps is inside)."""
 
         cpu = 0.0
         cpu_ms: float | None = None
@@ -369,48 +301,48 @@ def run_ds(spec: dict[str, Any]) -> None:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            if len(self.step_ms) == self.warmup + spec["steps"]:  # Lightning's work between steps is inside
-                self.cpu_ms = _cpu_ms_per_step(self.cpu, spec["steps"])
+            if len(self.step_ms) == self.warmup + spec["steps"]:
+                self.cpu_ms = 1000 * (time.process_time() - self.cpu) / spec["steps"]
 
-    torch.set_num_threads(1)
-    p = spec["procs"]
-    x, y = make_data(spec)
-    loss = loss_fn(spec)
-    traces = Path(spec["out_dir"]) / "ds_traces"
+    p, (x, y), loss = spec["procs"], make_data(spec), loss_fn(spec)
+    rank = 0
     for cfg in spec["configs"]:
-        m = cfg["m"]
-        trace_path = traces / f"{cfg['schedule']}_m{m}.json"
+        trace = Path(spec["out_dir"]) / "ds_traces" / f"{cfg['schedule']}_m{cfg['m']}.json"
         timer = Timer(spec["warmup"])
         strategy = ds_lightning.PipelineStrategy(
             schedule=cfg["schedule"],
-            n_microbatches=m,
+            n_microbatches=cfg["m"],
             balance=stage_balance(spec, p),
-            trace_path=str(trace_path),
+            trace_path=str(trace),
             trace_steps=spec["trace_steps"],
             timeout=float(spec["dist_timeout"]),
         )
-        trainer = quiet_trainer(
-            accelerator="cpu",
-            devices=p,
-            strategy=strategy,
-            max_steps=spec["warmup"] + spec["steps"],
-            default_root_dir=spec["out_dir"],
-            callbacks=[timer],
-        )
-        loader = DataLoader(TensorDataset(x, y), batch_size=batch_rows(spec), shuffle=False, drop_last=True)
-        trainer.fit(BenchModule(), train_dataloaders=loader)
+        steps = spec["warmup"] + spec["steps"]
+        trainer = quiet_trainer(accelerator="cpu", devices=p, strategy=strategy, max_steps=steps, callbacks=[timer])
+        trainer.fit(BenchModule(), DataLoader(TensorDataset(x, y), batch_size=spec["batch"], drop_last=True))
         rank = trainer.global_rank
-        spans = _spans_from_chrome(trace_path) if rank == 0 and trace_path.exists() else []
-        times = [ms / 1000 for ms in timer.step_ms[spec["warmup"] :]]
-        record_stage(spec, rank, cfg, times, spans, timer.cpu_ms)
+        spans = _spans_from_chrome(trace) if rank == 0 and trace.exists() else []
+        record(spec, rank, p, cfg, timer.step_ms[spec["warmup"] :], spans=spans, cpu_ms=timer.cpu_ms)
+    leave(spec, rank, p)
+
+
+def leave(spec: dict[str, Any], rank: int, ranks: int) -> None:
+    """Exit at once once every rank has written all its lines (rank 0 waits for them): the interpreter's and
+    Lightning's teardown measure nothing and took seconds per launch."""
+    done = Path(spec["out_dir"]) / f"done{rank}"
+    done.touch()
+    deadline = time.monotonic() + spec["dist_timeout"]
+    while (
+        rank == 0 and time.monotonic() < deadline and not all(done.with_name(f"done{r}").exists() for r in range(ranks))
+    ):
+        time.sleep(0.05)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("spec")
-    args = parser.parse_args()
-    spec = json.loads(Path(args.spec).read_text())
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    torch.set_num_threads(1)
     {"single": run_single, "hand": run_hand, "ds": run_ds}[spec["impl"]](spec)
 
 

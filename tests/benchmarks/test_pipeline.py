@@ -28,15 +28,9 @@ def _opts(*argv: str) -> Any:
 
 def test_defaults_depend_on_the_model_and_quick():
     digits = _opts()
-    assert (digits.steps, digits.warmup, digits.ms, digits.batch, digits.procs) == (
-        40,
-        5,
-        [1, 2, 4, 8],
-        128,
-        [2, 4],
-    )
+    assert (digits.steps, digits.warmup, digits.ms, digits.batch, digits.procs) == (20, 5, [2, 8], 128, [2, 4])
     gpt = _opts("--model", "gpt")
-    assert (gpt.steps, gpt.warmup, gpt.ms, gpt.batch, gpt.procs) == (10, 4, [1, 2, 4, 8], 8, [2, 4])
+    assert (gpt.steps, gpt.warmup, gpt.ms, gpt.batch, gpt.procs) == (6, 4, [2, 8], 8, [2, 4])
     quick = _opts("--model", "gpt", "--quick")
     assert (quick.steps, quick.warmup, quick.ms, quick.batch, quick.procs) == (3, 3, [2, 4], 8, [2])
     given = _opts("--model", "gpt", "--steps", "7", "--ms", "4", "2", "--batch", "16")
@@ -56,7 +50,7 @@ def test_gpt_stages_chain_to_the_whole_net_from_token_ids():
     spec = {"seed": 0, "batch": 4, "workload": TINY_GPT}
     assert worker.stage_balance(spec, 2) == [2, 3]  # embedding + block | block + norm + head
     assert worker.stage_balance({**spec, "workload": {**TINY_GPT, "n_layer": 4}}, 4) == [2, 1, 1, 3]
-    assert worker.stage_balance({"seed": 0}, 4) == [2, 2, 2, 2]
+    assert worker.stage_balance({"seed": 0, "batch": 4}, 4) == [2, 2, 2, 2]
     net = worker.make_net(spec)
     x, y = worker.batches(spec)[0]
     assert x.dtype == torch.int64 and x.shape == (4, 16) and y.shape == (4, 16)
