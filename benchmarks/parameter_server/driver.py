@@ -1,32 +1,7 @@
-"""Does ds_parameter_server beat ds_mirrored when one worker straggles, and what does it cost when none does?
+"""ds_parameter_server against ds_mirrored with one of 2 workers a straggler: the arms, the calibration, the summary,
+the targets, the tables and the chart. The question, the method and the targets are in README.md.
 
-Trains the digits classifier (``DigitsClassifier``, 64-128-10, SGD lr 0.05 momentum 0.9, batch 32 per worker) on 2 CPU
-workers (1 thread each), worker 1 made 3x slower by a per-sample sleep before each of its steps, under ds_mirrored and
-ds_parameter_server (1 server) with max_staleness 0, 4 and None; every configuration processes the same number of
-training samples. Reports samples/s, validation accuracy against samples seen, and the step time of max_staleness=0 vs
-ds_mirrored with no straggler. Configurations run as separate launches, interleaved repeat by repeat by the benchmark
-harness (the machine is noisy); the tables give medians, ratios to ds_mirrored and the min-max spread.
-
-With ``--model gpt`` the workload is the byte-level GPT on the standard library's source text (``harness.workloads``),
-AdamW lr 1e-3, 8 windows of 128 tokens per worker, 30 ds_mirrored steps per worker (12 with --quick); throughput is in
-tokens/s and the final figure is the validation perplexity of rank 0's parameters on the first ``--val-windows`` (32)
-validation windows, the same windows for every arm. Results go to ``results/parameter_server_gpt.*``.
-
-Method. The straggler's sleep per sample is (slowdown - 1) x the un-delayed ds_mirrored step / batch, measured by a
-calibration run first (ds_mirrored, no straggler); sleeping costs no CPU. Equal samples: ds_mirrored runs ``--steps``
-steps per worker; ds_parameter_server gets ``max_updates`` = ``--steps`` (max_staleness=0: one update takes a batch from
-every worker) or ``2 x --steps`` (otherwise: one batch per update), so fast workers do more steps. A push already in
-flight when the budget runs out is still applied (one batch more at most); the real totals are used. Samples/s: samples
-of all workers / (last step end - first step start). Accuracy: rank 0 evaluates its current parameters (under
-ds_parameter_server the last pulled ones) on the validation split every ``--eval-every`` steps with no collectives;
-samples seen come from the servers' update count. The classifier's epoch-level ``train_acc`` is kept local
-(``sync_on_compute=False``) under every strategy: its all-gather at each epoch end would re-synchronise
-ds_parameter_server's workers once per epoch.
-
-    python -m benchmarks.parameter_server.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]]
-        [--model digits|gpt]
-        [--steps 150] [--eval-every 10] [--batch 32] [--lr 0.05] [--val-windows 32] [--slowdown 3]
-        [--delay-ms-per-sample MS] [--timeout 300] [--dist-timeout 120] [--gpt-layers 4 ...]
+    python -m benchmarks.parameter_server.driver [--quick] [--model digits|gpt] [--steps N] [--slowdown 3] ...
 """
 
 from __future__ import annotations
@@ -41,45 +16,43 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, fmt
 from benchmarks.harness import workloads as _workloads
-from benchmarks.parameter_server.report import (
-    ASYNC,
-    BSP,
-    LABELS,
-    MIRRORED,
-    NO,
-    NO_STRAGGLER,
-    PHASES,
-    STRAGGLER,
-    TARGET_ACC_POINTS,
-    TARGET_ASYNC_SPEEDUP,
-    TARGET_BSP_STEP,
-    TARGET_PPL_RATIO,
-    WORKERS,
-    group,
-    plot,
-    unit,
-)
+from benchmarks.harness.figures import save_figure
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
-#: per-model values of the options left ``None`` (full run, then ``--quick``): a GPT run stays well under a minute
-PER_MODEL: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
-    "digits": ({"steps": 150, "eval_every": 10, "batch": 32, "lr": 0.05}, {"steps": 30, "eval_every": 5}),
-    "gpt": ({"steps": 30, "eval_every": 5, "batch": 8, "lr": 1e-3}, {"steps": 12, "eval_every": 4}),
+WORKERS, SLOW_RANK = 2, 1
+TARGET_ASYNC_SPEEDUP = 1.5  # async samples/s over ds_mirrored's, under the straggler
+TARGET_ACC_POINTS = 2.0  # final accuracy within this many points of ds_mirrored's
+TARGET_PPL_RATIO = 1.05  # GPT: final validation perplexity at most this times ds_mirrored's
+TARGET_BSP_STEP = 1.3  # max_staleness=0 step time over ds_mirrored's, no straggler
+PHASES = ("sleep", "before_step", "step_backward", "after_backward")  # as the worker splits a step
+MIRRORED, BSP, ASYNC, NO = "ds_mirrored", "ps_staleness_0", "ps_async", "no_straggler/"
+STRAGGLER: dict[str, dict[str, Any]] = {
+    MIRRORED: {"strategy": "ds_mirrored"},
+    BSP: {"strategy": "ds_parameter_server", "max_staleness": 0},
+    "ps_staleness_4": {"strategy": "ds_parameter_server", "max_staleness": 4},
+    ASYNC: {"strategy": "ds_parameter_server", "max_staleness": None},
 }
-SLOW_RANK = 1
+NO_STRAGGLER = {NO + MIRRORED: STRAGGLER[MIRRORED], NO + BSP: STRAGGLER[BSP]}
+LABELS = {
+    n: "ds_mirrored" if n == MIRRORED else f"ds_parameter_server max_staleness={c['max_staleness']}"
+    for n, c in STRAGGLER.items()
+}
+# Per workload: a full run, then what --quick changes.
+FULL = {
+    "digits": {"steps": 120, "eval_every": 10, "batch": 32, "lr": 0.05},
+    "gpt": {"steps": 12, "eval_every": 4, "batch": 8, "lr": 1e-3},
+}
+QUICK = {"digits": {"steps": 30, "eval_every": 5}, "gpt": {"steps": 6, "eval_every": 3}}
 KEYS = [
-    "samples_per_s",
-    "samples",
-    "final_acc",
-    "final_ppl",
-    "step_ms_w0",
-    "step_ms_w1",
-    "busy_ms_w1",
-    "steps_w0",
-    "steps_w1",
-    "slow_over_fast_step",
+    *("samples_per_s", "samples", "final_acc", "final_ppl", "step_ms_w0", "step_ms_w1", "busy_ms_w1"),
+    *("steps_w0", "steps_w1", "slow_over_fast_step"),
     *(f"{p}_ms_w{w}" for p in PHASES for w in range(WORKERS)),
 ]
+
+
+def unit(settings: dict[str, Any]) -> tuple[str, int]:
+    """What throughput counts and how many of it a sample holds: samples (digits) or tokens (the GPT's context)."""
+    return ("tokens", int(settings["gpt_block"])) if settings.get("model") == "gpt" else ("samples", 1)
 
 
 def reading(found: dict[str, Any]) -> dict[str, Any]:
@@ -87,99 +60,36 @@ def reading(found: dict[str, Any]) -> dict[str, Any]:
     ranks = [found.get(f"result.{r}") for r in range(WORKERS)]
     if None in ranks:
         raise harness.Failed(f"exit code {found['rc']}, only {[k for k in found if k != 'rc']} written")
-    samples = sum(r["samples"] for r in ranks)
+    samples = sum(r["samples"] for r in ranks)  # the final parameters have seen every worker's pushes
     wall = max(r["last_end"] for r in ranks) - min(r["first_start"] for r in ranks)
-    out = {
-        "rc": found["rc"],
-        "samples": samples,  # the final parameters have seen every worker's pushes
-        "train_s": wall,
-        "samples_per_s": samples / wall,
-        "slow_over_fast_step": ranks[SLOW_RANK]["median_step_ms"] / ranks[0]["median_step_ms"],
-        "busy_ms_w1": ranks[1]["median_busy_ms"],
-        "curve": ranks[0]["curve"],
-        "final_acc": ranks[0].get("final_acc"),
-        "final_ppl": ranks[0].get("final_ppl"),
-        "eval_s": ranks[0]["eval_s"],
-    }
+    out = {"rc": found["rc"], "samples": samples, "train_s": wall, "samples_per_s": samples / wall}
+    out["slow_over_fast_step"] = ranks[SLOW_RANK]["median_step_ms"] / ranks[0]["median_step_ms"]
+    out["busy_ms_w1"] = ranks[1]["median_busy_ms"]
+    out.update({k: ranks[0].get(k) for k in ("curve", "final_acc", "final_ppl", "eval_s")})
     for w, r in enumerate(ranks):
         out.update({f"steps_w{w}": r["steps"], f"step_ms_w{w}": r["median_step_ms"]})
         out.update({f"{p}_ms_w{w}": r["phase_ms"][p] for p in PHASES})
     return out
 
 
-def per_model(opts: argparse.Namespace) -> argparse.Namespace:
-    """Fill the options left ``None`` with the workload's full or ``--quick`` values."""
-    return _workloads.fill_defaults(
-        opts, {m: d[0] for m, d in PER_MODEL.items()}, {m: d[1] for m, d in PER_MODEL.items()}
-    )
-
-
-def checks(s: dict[str, Any], gpt: bool) -> list[tuple[str, Any, dict[str, float], str, str, str]]:
-    """Every target: what, the figure (a spread over repeats), its bound, the bound's unit, the goal as the page says
-    it, and the figure's format."""
-    out: list[tuple[str, Any, dict[str, float], str, str, str]] = [
-        (
-            "async throughput vs ds_mirrored under the straggler",
-            s[ASYNC]["samples_per_s_ratio"],
-            {"at_least": TARGET_ASYNC_SPEEDUP},
-            "x",
-            f">= {TARGET_ASYNC_SPEEDUP}x",
-            ".2f",
-        )
-    ]
-    for name in (ASYNC, "ps_staleness_4", BSP):
-        if gpt:
-            out.append(
-                (
-                    f"final validation perplexity of {LABELS[name]} vs ds_mirrored at equal tokens",
-                    s[name].get("final_ppl_ratio"),
-                    {"at_most": TARGET_PPL_RATIO},
-                    "x",
-                    f"<= {TARGET_PPL_RATIO}x",
-                    ".3f",
-                )
-            )
-        else:
-            out.append(
-                (
-                    f"final accuracy of {LABELS[name]} vs ds_mirrored at equal samples",
-                    s[name]["acc_points"],
-                    {"at_least": -TARGET_ACC_POINTS},
-                    " points",
-                    f"at most {TARGET_ACC_POINTS:g} points below",
-                    "+.1f",
-                )
-            )
-    out.append(
-        (
-            "max_staleness=0 step time vs ds_mirrored, no straggler",
-            s[NO + BSP]["step_ms_w0_ratio"],
-            {"at_most": TARGET_BSP_STEP},
-            "x",
-            f"<= {TARGET_BSP_STEP}x",
-            ".2f",
-        )
-    )
-    return out
+def group(summary: dict[str, Any], arms: dict[str, Any]) -> dict[str, Any]:
+    """The summary of ``arms`` (straggler or not), keyed by the configuration's name."""
+    return {a.removeprefix(NO): summary[a] for a in arms if a in summary}
 
 
 class ParameterServer(harness.Benchmark):
     name = "parameter_server"
     description = __doc__
     models = ("digits", "gpt")
-    defaults = {"repeats": 3}  # the rest per model: PER_MODEL, filled in by meta()
-    quick = {"repeats": 1}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=None, help="ds_mirrored steps per worker (150; GPT 30)")
-        parser.add_argument("--eval-every", type=int, default=None, help="rank 0 evaluates every N steps (10; GPT 5)")
+        parser.add_argument("--steps", type=int, default=None, help="ds_mirrored steps per worker (120; GPT 12)")
+        parser.add_argument("--eval-every", type=int, default=None, help="rank 0 evaluates every N steps (10; GPT 4)")
         parser.add_argument("--batch", type=int, default=None, help="samples per worker and step (32; GPT 8 windows)")
+        parser.add_argument("--lr", type=float, default=None, help="SGD lr (0.05), AdamW for the GPT (1e-3)")
+        parser.add_argument("--val-windows", type=int, default=16, help="GPT: validation windows evaluated (16)")
         parser.add_argument(
-            "--lr", type=float, default=None, help="SGD lr for the digits (0.05), AdamW for the GPT (1e-3)"
-        )
-        parser.add_argument("--val-windows", type=int, default=32, help="GPT: validation windows evaluated (32)")
-        parser.add_argument(
-            "--delay-ms-per-sample", type=float, default=None, help="the straggler's sleep per sample (calibrated)"
+            "--delay-ms-per-sample", type=float, default=None, help="the straggler's sleep (calibrated)"
         )
         parser.add_argument("--slowdown", type=float, default=3.0, help="how much slower the straggler's step is (3)")
         parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take (300)")
@@ -187,7 +97,7 @@ class ParameterServer(harness.Benchmark):
         _workloads.add_options(parser)
 
     def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
-        per_model(opts)
+        _workloads.fill_defaults(opts, FULL, QUICK)
         return {"workload": _workloads.label(_workloads.spec_of(opts), [128])}
 
     def experiment(self, opts: argparse.Namespace) -> Experiment:
@@ -199,21 +109,9 @@ class ParameterServer(harness.Benchmark):
         return Experiment(arms, opts.repeats)
 
     def launch(self, config: dict[str, Any], delay_ms: float, opts: argparse.Namespace) -> dict[str, Any]:
-        spec = {
-            "max_staleness": None,
-            **config,
-            "workload": _workloads.spec_of(opts),
-            "val_windows": opts.val_windows,
-            "batch_size": opts.batch,
-            "steps": opts.steps,
-            "seed": 0,
-            "dist_timeout": opts.dist_timeout,
-            "slow_rank": SLOW_RANK,
-            "delay_per_sample": delay_ms / 1000,
-            "eval_every": opts.eval_every,
-            "hidden": [128],
-            "lr": opts.lr,
-        }
+        spec = {"max_staleness": None, **config, "workload": _workloads.spec_of(opts), "val_windows": opts.val_windows}
+        spec.update(batch_size=opts.batch, steps=opts.steps, seed=0, dist_timeout=opts.dist_timeout, hidden=[128])
+        spec.update(slow_rank=SLOW_RANK, delay_per_sample=delay_ms / 1000, eval_every=opts.eval_every, lr=opts.lr)
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1), outputs="result.*.json")
         return reading(found)
 
@@ -230,6 +128,7 @@ class ParameterServer(harness.Benchmark):
         )
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
+        """The straggler's sleep first: (slowdown - 1) x an un-delayed ds_mirrored step, from a calibration run."""
         calibration: dict[str, Any] = {"source": "--delay-ms-per-sample"}
         if opts.delay_ms_per_sample is None:
             try:
@@ -239,15 +138,9 @@ class ParameterServer(harness.Benchmark):
             step_ms = run["step_ms_w0"]
             opts.delay_ms_per_sample = (opts.slowdown - 1) * step_ms / opts.batch
             calibration = {"source": "a ds_mirrored run without straggler", "undelayed_step_ms": step_ms, "run": run}
-            print(
-                f"  straggler: worker {SLOW_RANK} sleeps {opts.delay_ms_per_sample:.3f} ms/sample ="
-                f" {opts.delay_ms_per_sample * opts.batch:.1f} ms per step of {opts.batch} ({opts.slowdown:g}x the"
-                f" {step_ms:.1f} ms un-delayed ds_mirrored step)",
-                flush=True,
-            )
-        calibration.update(
-            delay_ms_per_sample=opts.delay_ms_per_sample, delay_ms_per_step=opts.delay_ms_per_sample * opts.batch
-        )
+            print(f"  straggler: worker {SLOW_RANK} sleeps {opts.delay_ms_per_sample:.3f} ms/sample", flush=True)
+        calibration.update(delay_ms_per_sample=opts.delay_ms_per_sample)
+        calibration["delay_ms_per_step"] = opts.delay_ms_per_sample * opts.batch
         return {"calibration": calibration, **super().collect(opts)}
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -259,39 +152,39 @@ class ParameterServer(harness.Benchmark):
                 s[arm]["acc_points"] = harness.paired(records, arm, base, "final_acc", lambda x, y: 100 * (x - y))
                 s[arm]["final_ppl_ratio"] = harness.paired(records, arm, base, "final_ppl")
                 s[arm]["step_ms_w0_ratio"] = harness.paired(records, arm, base, "step_ms_w0")
-        gpt = unit(data["settings"])[0] == "tokens"
-        s["verdicts"] = [harness.judged(what, value, **bound, unit=u) for what, value, bound, u, _, _ in checks(s, gpt)]
-        return s
-
-    def targets(self, data: dict[str, Any]) -> list[list[str]]:
-        """The page's table of the targets, from the summary's verdicts."""
-        s = data["summary"]
-        listed = checks(s, unit(data["settings"])[0] == "tokens")
-        return [
-            [what, goal, fmt(value, f), v["verdict"]]
-            for (what, value, _, _, goal, f), v in zip(listed, s["verdicts"], strict=True)
-        ]
+        what = "async throughput vs ds_mirrored under the straggler"
+        judged = [harness.judged(what, s[ASYNC]["samples_per_s_ratio"], at_least=TARGET_ASYNC_SPEEDUP, unit="x")]
+        for name in (ASYNC, "ps_staleness_4", BSP):
+            if unit(data["settings"])[0] == "tokens":
+                what = f"final validation perplexity of {LABELS[name]} vs ds_mirrored at equal tokens"
+                judged.append(harness.judged(what, s[name]["final_ppl_ratio"], at_most=TARGET_PPL_RATIO, unit="x"))
+            else:
+                what = f"final accuracy of {LABELS[name]} vs ds_mirrored at equal samples"
+                judged.append(harness.judged(what, s[name]["acc_points"], at_least=-TARGET_ACC_POINTS, unit=" points"))
+        what = "max_staleness=0 step time vs ds_mirrored, no straggler"
+        judged.append(harness.judged(what, s[NO + BSP]["step_ms_w0_ratio"], at_most=TARGET_BSP_STEP, unit="x"))
+        return {**s, "verdicts": judged}
 
     def report(self, data: dict[str, Any]) -> list[str]:
         st, cal = data["settings"], data["calibration"]
         s, n = group(data["summary"], STRAGGLER), group(data["summary"], NO_STRAGGLER)
         what, per_sample = unit(st)
-        gpt = what == "tokens"
-        batch = st.get("batch", 32)  # older runs did not record it: the digits' 32
+        gpt, batch = what == "tokens", st["batch"]
 
         def failed(v: dict[str, Any]) -> str:
             return f" ({v['failed_runs']} failed)" if v["failed_runs"] else ""
+
+        def final(v: dict[str, Any]) -> list[str]:
+            if gpt:
+                return [fmt(v.get("final_ppl"), ".2f"), fmt(v.get("final_ppl_ratio"), ".3f")]
+            return [fmt(v["final_acc"], ".1f", 100), fmt(v.get("acc_points"), "+.1f")]
 
         straggler_rows = [
             [
                 LABELS[name] + failed(v),
                 fmt(v["samples_per_s"], ".0f", per_sample),
                 fmt(v.get("samples_per_s_ratio"), ".2f"),
-                *(
-                    [fmt(v.get("final_ppl"), ".2f"), fmt(v.get("final_ppl_ratio"), ".3f")]
-                    if gpt
-                    else [fmt(v["final_acc"], ".1f", 100), fmt(v.get("acc_points"), "+.1f")]
-                ),
+                *final(v),
                 fmt(v["samples"], ".0f", per_sample),
                 f"{fmt(v['steps_w0'], '.0f')} / {fmt(v['steps_w1'], '.0f')}",
                 f"{fmt(v['step_ms_w0'], '.1f')} / {fmt(v['step_ms_w1'], '.1f')}",
@@ -305,19 +198,24 @@ class ParameterServer(harness.Benchmark):
             for name, v in summary.items()
             for w in range(WORKERS)
         ]
-        model = (
-            f"{data.get('workload', 'the GPT')} (AdamW lr {st.get('lr', 1e-3):g}), batch {batch} windows of"
-            f" {per_sample} tokens per worker"
+        if gpt:
+            model = (
+                f"{data['workload']} (AdamW lr {st['lr']:g}), batch {batch} windows of {per_sample} tokens per worker"
+            )
+            final_figure = (
+                f"Final figure: validation perplexity of rank 0's final parameters on the first {st['val_windows']}"
+                " validation windows (the same for every configuration). With max_staleness 4 or None every push is"
+                " one server update of one worker's batch, so at equal tokens those runs make twice the AdamW updates"
+                " of ds_mirrored and max_staleness=0, each on half the batch."
+            )
+        else:
+            model = f"DigitsClassifier 64-128-10 (SGD lr {st['lr']:g} momentum 0.9), batch {batch} per worker"
+            final_figure = "Final figure: validation accuracy of rank 0's final parameters."
+        undelayed = cal.get("undelayed_step_ms")
+        final_heads = (
+            ["final val perplexity", "perplexity vs ds_mirrored"]
             if gpt
-            else f"DigitsClassifier 64-128-10 (SGD lr {st.get('lr', 0.05):g} momentum 0.9), batch {batch} per worker"
-        )
-        final = (
-            f"Final figure: validation perplexity of rank 0's final parameters on the first {st.get('val_windows')}"
-            " validation windows (the same for every configuration). With max_staleness 4 or None every push is one"
-            " server update of one worker's batch, so at equal tokens those runs make twice the AdamW updates of"
-            " ds_mirrored and max_staleness=0, each on half the batch."
-            if gpt
-            else "Final figure: validation accuracy of rank 0's final parameters."
+            else ["final val acc", "acc vs ds_mirrored (points)"]
         )
         return [
             f"2 CPU workers (gloo, 1 thread each; ds_parameter_server adds 1 server process), {model},"
@@ -325,14 +223,10 @@ class ParameterServer(harness.Benchmark):
             f" {what} per run under every configuration, {st['repeats']}"
             f" interleaved repeat(s). Straggler: worker {SLOW_RANK} sleeps {cal['delay_ms_per_sample']:.3f} ms/sample"
             f" ({cal['delay_ms_per_step']:.1f} ms per step) before each step"
-            + (
-                f", {st['slowdown']:g}x the un-delayed ds_mirrored step of {cal['undelayed_step_ms']:.1f} ms."
-                if "undelayed_step_ms" in cal
-                else "."
-            ),
+            + (f", {st['slowdown']:g}x the un-delayed ds_mirrored step of {undelayed:.1f} ms." if undelayed else "."),
             "Median [min - max] over repeats; ratios and differences are taken per repeat against that repeat's"
             f" ds_mirrored run. {what.capitalize()}/s: {what} pushed by all workers / (last step end - first step"
-            f" start). {final}",
+            f" start). {final_figure}",
             "",
             "**With the straggler**",
             "",
@@ -341,15 +235,9 @@ class ParameterServer(harness.Benchmark):
                     "configuration",
                     f"{what}/s",
                     "vs ds_mirrored",
-                    *(
-                        ["final val perplexity", "perplexity vs ds_mirrored"]
-                        if gpt
-                        else ["final val acc", "acc vs ds_mirrored (points)"]
-                    ),
+                    *final_heads,
                     what,
-                    "steps w0 / w1",
-                    "median step w0 / w1 (ms)",
-                    "w1 / w0 step",
+                    *["steps w0 / w1", "median step w0 / w1 (ms)", "w1 / w0 step"],
                 ],
                 straggler_rows,
             ),
@@ -382,16 +270,79 @@ class ParameterServer(harness.Benchmark):
                 ],
                 phase_rows,
             ),
-            "",
-            "**Targets** (judged on the median)",
-            "",
-            *harness.markdown_table(["target", "goal", "measured", "result"], self.targets(data)),
         ]
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
+        """Accuracy (perplexity on the GPT) against samples, throughput with the straggler, step time without."""
+        import matplotlib  # here: running the benchmark needs no matplotlib until it writes
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        s, n = group(data["summary"], STRAGGLER), group(data["summary"], NO_STRAGGLER)
+        what, per_sample = unit(data["settings"])
+        gpt = what == "tokens"
+        scale = 1.0 if gpt else 100.0  # perplexity as it is, accuracy in %
+        colors = dict(zip(STRAGGLER, ["tab:blue", "tab:orange", "tab:green", "tab:red"], strict=True))
+        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [2.2, 1.4, 0.8]})
+        for name in STRAGGLER:
+            for i, run in enumerate(harness.ok(data["records"], name)):
+                xs, ys = zip(*run["curve"], strict=True)
+                style = "--" if name == BSP else "-"  # ds_mirrored's numerics: the two curves coincide
+                label = None if i else name
+                ax1.plot(
+                    [x * per_sample for x in xs],
+                    [scale * y for y in ys],
+                    style,
+                    color=colors[name],
+                    alpha=0.75,
+                    lw=1.2,
+                    label=label,
+                )
+                final = run.get("final_ppl" if gpt else "final_acc")
+                if final is not None:
+                    ax1.plot(run["samples"] * per_sample, scale * final, "o", color=colors[name], ms=4)
+        figure = "validation perplexity" if gpt else "validation accuracy (%)"
+        ax1.set(xlabel=f"training {what} seen (all workers)", ylabel=f"{figure}, rank 0's parameters")
+        if gpt:
+            ax1.set_yscale("log")  # from 256 (uniform bytes) down to tens
+        else:
+            ax1.set_ylim(50, 100)
+        ax1.set_title(
+            f"with a {data['settings']['slowdown']:g}x straggler: {figure} vs {what} (every repeat; dot = final)"
+        )
+        ax1.legend(fontsize=8, loc="upper right" if gpt else "lower right")
+        ax1.grid(alpha=0.3)
+        _bars(ax2, s, "samples_per_s", per_sample, TARGET_ASYNC_SPEEDUP, "target for async", colors)
+        ax2.set(ylabel=f"{what}/s (median, min-max)", title="throughput with the straggler")
+        _bars(ax3, n, "step_ms_w0", 1, TARGET_BSP_STEP, "target for staleness 0", colors)
+        ax3.set(ylabel="median step time, rank 0 (ms)", title="no straggler")
+        fig.tight_layout()
         path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
-        plot(data, path)
+        save_figure(fig, path)
         return [path]
+
+
+def _bars(
+    ax: Any, summary: dict[str, Any], key: str, scale: float, target: float, label: str, colors: dict[str, str]
+) -> None:
+    """A bar per configuration (median, min-max), its ratio to ds_mirrored above it, the target as a line."""
+    names = [k for k in summary if summary[k][key]]
+    spreads = [summary[k][key] for k in names]
+    med = [scale * v["median"] for v in spreads]
+    err = [
+        [m - scale * v["min"] for m, v in zip(med, spreads, strict=True)],
+        [scale * v["max"] - m for m, v in zip(med, spreads, strict=True)],
+    ]
+    ax.bar(range(len(names)), med, yerr=err, capsize=4, color=[colors[k] for k in names])
+    for i, k in enumerate(names):
+        if summary[k].get(f"{key}_ratio"):
+            top = (i, scale * spreads[i]["max"])
+            ax.annotate(f"{summary[k][f'{key}_ratio']['median']:.2f}x", top, ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(names)), [k.replace("_", "\n", 2) for k in names], fontsize=7)
+    if summary.get(MIRRORED, {}).get(key):
+        ax.axhline(target * scale * summary[MIRRORED][key]["median"], color="k", ls=":", lw=1, label=label)
+        ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,6 @@
-"""One straggler-benchmark run: the spec's workload on 2 CPU workers under ds_mirrored or ds_parameter_server.
-
-Started by ``driver.py`` with a JSON spec; Lightning re-runs this script for every worker and,
-under ds_parameter_server, for every server process (whose ``fit`` returns once it has served). Every worker writes
-``result.{r}.json`` into the spec's ``out_dir``: its step times, how many samples it pushed and when its training
-phase started and ended, and on rank 0 the validation curve and the final figure: accuracy on the digits' validation
-split, or perplexity on the first ``val_windows`` validation windows for the GPT (the same windows for every arm).
+"""One launch of the straggler benchmark (see README.md): the spec's workload on 2 CPU workers under ds_mirrored or
+ds_parameter_server. Every worker writes ``result.{r}.json`` into the spec's ``out_dir``: its step times and phases, the
+samples it pushed, its training phase's start and end, and on rank 0 the validation curve and the final figure.
 """
 
 from __future__ import annotations
@@ -43,20 +39,22 @@ def _budget_spent(trainer: pl.Trainer) -> bool:
     return getattr(trainer.strategy, "max_updates", None) is not None and trainer.should_stop
 
 
-class TimedClassifier(DigitsClassifier):
-    """The digits classifier, noting when its ``training_step`` starts (under ds_parameter_server: after the pull)."""
+class _Timed:
+    """Notes when ``training_step`` starts (under ds_parameter_server: after the pull)."""
 
     step_started = 0.0
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         self.step_started = time.perf_counter()
-        return super().training_step(batch, batch_idx)
+        return super().training_step(batch, batch_idx)  # type: ignore[misc]
 
 
-class TimedWorkload(pl.LightningModule):
-    """A workload's net and loss (the GPT's) under AdamW, noting when ``training_step`` starts, as above."""
+class TimedClassifier(_Timed, DigitsClassifier):
+    """The digits classifier, timed."""
 
-    step_started = 0.0
+
+class Workload(pl.LightningModule):
+    """A workload's net and loss (the GPT's) under AdamW."""
 
     def __init__(self, workload: _workloads.Workload, lr: float) -> None:
         super().__init__()
@@ -68,36 +66,38 @@ class TimedWorkload(pl.LightningModule):
         return self.net(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self.step_started = time.perf_counter()
-        x, y = batch
-        return self.loss(self(x), y)
+        return self.loss(self(batch[0]), batch[1])
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+class TimedWorkload(_Timed, Workload):
+    """The GPT, timed."""
 
 
 PHASES = ("sleep", "before_step", "step_backward", "after_backward")
 
 
 class StepClock(StepTimer):
-    """The harness's step clock, stopped once the update budget is spent, and each step split into phases.
+    """The harness's step clock, stopped once the update budget is spent; it makes the straggler sleep
+    ``delay_per_sample`` per sample after the clock starts (a step's time includes its delay) and splits each step into
+    the sleep, the time up to ``training_step`` (ds_parameter_server's pull), ``training_step`` plus backward
+    (ds_mirrored's all-reduce) and what follows (the push, or the optimizer step)."""
 
-    Registered first, so the clock starts before the straggler's sleep: a step's time includes its delay. Each step
-    is split into the straggler's sleep, the time up to ``training_step`` (ds_parameter_server's pull),
-    ``training_step`` plus backward (ds_mirrored's all-reduce happens in backward) and what follows (the push, or the
-    optimizer step).
-    """
-
-    def __init__(self) -> None:
+    def __init__(self, slow_rank: int, delay_per_sample: float) -> None:
         super().__init__()
+        self.slow_rank, self.delay_per_sample = slow_rank, delay_per_sample
         self.phase_ms: dict[str, list[float]] = {name: [] for name in PHASES}
         self.samples = 0
-        self._backward_done = 0.0
-        self.pending_sleep = 0.0
+        self._backward_done = self._slept = 0.0
 
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-        self.pending_sleep = 0.0
+        start = time.perf_counter()
+        if trainer.global_rank == self.slow_rank and self.delay_per_sample > 0:
+            time.sleep(self.delay_per_sample * _batch_size(batch))
+        self._slept = time.perf_counter() - start if trainer.global_rank == self.slow_rank else 0.0
 
     def on_after_backward(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._backward_done = time.perf_counter()
@@ -106,11 +106,11 @@ class StepClock(StepTimer):
         if _budget_spent(trainer):
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-        end = self._last_end or time.perf_counter()
+        started, end = pl_module.step_started, self._last_end or time.perf_counter()
         phases = (
-            self.pending_sleep,
-            pl_module.step_started - self._start - self.pending_sleep,
-            self._backward_done - pl_module.step_started,
+            self._slept,
+            started - self._start - self._slept,
+            self._backward_done - started,
             end - self._backward_done,
         )
         for name, value in zip(PHASES, phases, strict=True):
@@ -118,30 +118,10 @@ class StepClock(StepTimer):
         self.samples += _batch_size(batch)
 
 
-class Straggler(Callback):
-    """Makes one worker slow: sleeps ``delay_per_sample * batch size`` seconds before each of its steps."""
-
-    def __init__(self, rank: int, delay_per_sample: float, clock: StepClock) -> None:
-        self.rank = rank
-        self.delay_per_sample = delay_per_sample
-        self.clock = clock
-
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
-        if trainer.global_rank != self.rank or self.delay_per_sample <= 0:
-            return
-        start = time.perf_counter()
-        time.sleep(self.delay_per_sample * _batch_size(batch))
-        self.clock.pending_sleep = time.perf_counter() - start
-
-
 class Evaluator(Callback):
-    """Rank 0 only, no collectives: every ``every`` steps, its current parameters on the fixed validation batch.
-
-    The figure is accuracy (``metric="acc"``) or perplexity, exp of the mean token loss (``metric="ppl"``).
-
-    Samples seen are global: under ds_mirrored rank 0's steps times the workers' batches, under ds_parameter_server the
-    servers' update count (from the last pull, whose parameters the module holds) times the samples per update.
-    """
+    """Rank 0 only, no collectives: every ``every`` steps, accuracy or perplexity (``metric``) of its current
+    parameters on the fixed validation batch, against the samples the servers' update count (or ds_mirrored's steps)
+    stands for."""
 
     def __init__(
         self, every: int, val: tuple[torch.Tensor, torch.Tensor], samples_per_update: int, metric: str = "acc"
@@ -184,11 +164,7 @@ class Evaluator(Callback):
 
 
 def make_model(spec: dict[str, Any]) -> tuple[pl.LightningModule, Dataset, tuple[torch.Tensor, torch.Tensor], str]:
-    """The module, the training set, the fixed validation batch and its figure (``"acc"`` or ``"ppl"``).
-
-    The digits keep the classifier and split they always had; the GPT comes from ``_workloads.build`` and is judged
-    on its first ``val_windows`` validation windows.
-    """
+    """The module, the training set, the fixed validation batch and its figure (``"acc"`` or ``"ppl"``)."""
     workload = spec.get("workload", {"model": "digits"})
     if workload["model"] == "digits":
         data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
@@ -225,14 +201,14 @@ def main(spec_path: str) -> None:
             max_staleness=staleness, max_updates=budget, timeout=spec["dist_timeout"]
         )
         limits = {"max_epochs": 100_000}  # the update budget ends the run, not the epochs
-    clock = StepClock()
+    clock = StepClock(spec["slow_rank"], spec["delay_per_sample"])
     model, train_set, val, metric = make_model(spec)
     evaluator = Evaluator(spec["eval_every"], val, samples_per_update, metric)
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=workers,
         strategy=strategy,
-        callbacks=[clock, Straggler(spec["slow_rank"], spec["delay_per_sample"], clock), evaluator],
+        callbacks=[clock, evaluator],
         **limits,
     )
     loader = DataLoader(train_set, batch_size=batch, shuffle=True, drop_last=True)
@@ -261,7 +237,16 @@ def main(spec_path: str) -> None:
         record["curve"] = evaluator.curve
         record["final_ppl" if metric == "ppl" else "final_acc"] = evaluator.evaluate(model)
         record["eval_s"] = evaluator.eval_s
-    Path(spec["out_dir"], f"result.{rank}.json").write_text(json.dumps(record))
+    out = Path(spec["out_dir"])
+    (out / f".result.{rank}").write_text(json.dumps(record))
+    (out / f".result.{rank}").replace(out / f"result.{rank}.json")  # whole, since rank 0 leaves once it exists
+    # Leave at once: the interpreter's and Lightning's teardown measure nothing and took seconds per launch; the chief
+    # waits for the other worker's result first, since the harness ends the launch's processes when the chief exits.
+    deadline = time.monotonic() + spec["dist_timeout"]
+    while rank == 0 and time.monotonic() < deadline and not (out / f"result.{1 - rank}.json").exists():
+        time.sleep(0.05)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -10,29 +10,31 @@ import torch
 
 from benchmarks import harness
 from benchmarks.parameter_server import worker
-from benchmarks.parameter_server.driver import PHASES, ParameterServer, per_model, reading, unit
+from benchmarks.parameter_server.driver import PHASES, ParameterServer, reading, unit
 
 
-def _opts(argv: list[str]) -> argparse.Namespace:
+def per_model(argv: list[str]) -> argparse.Namespace:
     bench = ParameterServer()
-    return harness.cli.resolve(bench, harness.cli.parser(bench).parse_args(argv))
+    opts = harness.cli.resolve(bench, harness.cli.parser(bench).parse_args(argv))
+    bench.meta(opts)
+    return opts
 
 
 def test_per_model_defaults_fill_only_what_is_left_none():
-    digits = per_model(_opts([]))
-    assert (digits.steps, digits.batch, digits.lr, digits.eval_every) == (150, 32, 0.05, 10)
-    gpt = per_model(_opts(["--model", "gpt"]))
-    assert (gpt.steps, gpt.batch, gpt.lr, gpt.eval_every) == (30, 8, 1e-3, 5)
-    quick = per_model(_opts(["--model", "gpt", "--quick"]))
-    assert (quick.steps, quick.batch, quick.eval_every) == (12, 8, 4)
-    given = per_model(_opts(["--model", "gpt", "--steps", "7", "--batch", "3"]))
+    digits = per_model([])
+    assert (digits.steps, digits.batch, digits.lr, digits.eval_every, digits.val_windows) == (120, 32, 0.05, 10, 16)
+    gpt = per_model(["--model", "gpt"])
+    assert (gpt.steps, gpt.batch, gpt.lr, gpt.eval_every) == (12, 8, 1e-3, 4)
+    quick = per_model(["--model", "gpt", "--quick"])
+    assert (quick.steps, quick.batch, quick.eval_every) == (6, 8, 3)
+    given = per_model(["--model", "gpt", "--steps", "7", "--batch", "3"])
     assert (given.steps, given.batch) == (7, 3)
 
 
 def test_unit_is_tokens_of_the_context_for_the_gpt():
     assert unit({"model": "gpt", "gpt_block": 64}) == ("tokens", 64)
     assert unit({"model": "digits"}) == ("samples", 1)
-    assert unit({}) == ("samples", 1)  # results written before --model existed
+    assert unit({}) == ("samples", 1)
 
 
 def _rank(steps: int, step_ms: float, ppl: float | None) -> dict[str, Any]:
@@ -85,8 +87,9 @@ def test_render_of_a_gpt_result_in_tokens_per_second(tmp_path: Path):
     # 20 steps x 8 windows x 128 tokens in 10 s = 2048 tokens/s; async 40 steps: 4096 tokens/s, 2.00x.
     assert "| ds_parameter_server max_staleness=None | 4096 | 2.00 | 20.40 | 1.020 |" in md
     assert "| ds_mirrored | 2048 | - | 20.00 | - |" in md
-    assert "| async throughput vs ds_mirrored under the straggler | >= 1.5x | 2.00 | met |" in md
-    assert "max_staleness=4 vs ds_mirrored at equal tokens | <= 1.05x | 1.100 | missed |" in md
+    assert "| async throughput vs ds_mirrored under the straggler | >= 1.50x | 2 | 3 | met |" in md
+    assert "max_staleness=4 vs ds_mirrored at equal tokens | <= 1.05x | 1.1 | 3 | missed |" in md
+    assert "| max_staleness=0 step time vs ds_mirrored, no straggler | <= 1.30x | 1 | 3 | met |" in md
     assert "on the first 32 validation windows" in md
     assert (tmp_path / "parameter_server_gpt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "parameter_server.md").exists()
