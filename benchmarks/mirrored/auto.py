@@ -1,10 +1,6 @@
-"""The ``gradient_compression="auto"`` arm of the mirrored and cluster benchmarks: what a worker records of auto's
-choices, and how the reports read it (loopback: auto against ``none``; cluster: auto against the best fixed setting at
-each link, its accuracy or perplexity against the compression verdict's bounds).
-
-A worker calls :func:`auto_reading` on its strategy after ``fit``: the choice at the end, every decision (the step it
-came at, the choice, whether the link was probed, the predicted milliseconds per candidate) and the last probe's
-figures. That is what ``MirroredStrategy.auto_compression`` holds and what the strategy logs at every decision.
+"""The ``gradient_compression="auto"`` arm, shared by mirrored/ (loopback: auto against ``none``) and cluster/ (auto
+against the best fixed setting at each link): what a worker records of auto's choices (what
+``MirroredStrategy.auto_compression`` holds after ``fit``) and how the reports read it.
 """
 
 from __future__ import annotations
@@ -19,11 +15,8 @@ LOOPBACK_TARGET = 1.05  # auto / none step time on loopback
 CLUSTER_TARGET = 1.10  # auto / the best fixed setting's step time on a shaped link
 
 
-# --- what a worker records --------------------------------------------------------------------------------------------
-
-
 def auto_reading(strategy: Any) -> dict[str, Any] | None:
-    """Auto's choices and figures on this rank after fit, JSON-ready; ``None`` when the strategy runs no auto."""
+    """Auto's final choice, every decision and the last probe's figures, JSON-ready; ``None`` without auto."""
     auto = getattr(strategy, "auto_compression", None)
     if auto is None:
         return None
@@ -45,9 +38,6 @@ def auto_reading(strategy: Any) -> dict[str, Any] | None:
         ],
         "figures": auto.figures.as_dict() if auto.figures is not None else None,
     }
-
-
-# --- reading it -------------------------------------------------------------------------------------------------------
 
 
 def timed_choices(reading: dict[str, Any], warmup: int, total: int) -> dict[str, int]:
@@ -108,14 +98,6 @@ def choice_text(c: dict[str, Any] | None) -> str:
     )
 
 
-def met_text(value: dict[str, Any] | None, target: float) -> str:
-    """The harness's verdict on a ratio whose target is an upper bound."""
-    return verdict(value, at_most=target)
-
-
-# --- loopback (mirrored/driver.py) ------------------------------------------------------------------------------------
-
-
 def loopback_summary(records: list[dict[str, Any]], none_arm: str, warmup: int, steps: int) -> dict[str, Any]:
     """Auto against ``none_arm`` per repeat: the ratio of the runs' median step times (the target's figure) and of
     their mean step times (which count the steps that probed the link), and what auto chose."""
@@ -132,24 +114,13 @@ def loopback_lines(summary: dict[str, Any], none_arm: str, settings: dict[str, A
     """The report's section on auto: a table of auto against none, then what auto chose."""
     a, n, s = summary[AUTO], summary[none_arm], summary[AUTO]["auto"]
     interval = settings.get("auto_interval")
+    over = s["over_none"]
+    target = [f"**{fmt(over, '.3f')}**", f"<= {LOOPBACK_TARGET:g}", verdict(over, at_most=LOOPBACK_TARGET)]
     rows = [
-        [
-            "median step (ms)",
-            fmt(a["step_ms"], ".2f"),
-            fmt(n["step_ms"], ".2f"),
-            f"**{fmt(s['over_none'], '.3f')}**",
-            f"<= {LOOPBACK_TARGET:g}",
-            met_text(s["over_none"], LOOPBACK_TARGET),
-        ],
-        [
-            "mean step (ms), probe steps included",
-            fmt(a.get("mean_step_ms"), ".2f"),
-            fmt(n.get("mean_step_ms"), ".2f"),
-            fmt(s["mean_over_none"], ".3f"),
-            "-",
-            "-",
-        ],
+        ["median step (ms)", *(fmt(v["step_ms"], ".2f") for v in (a, n)), *target],
+        ["mean step (ms), probe steps included", *(fmt(v.get("mean_step_ms"), ".2f") for v in (a, n))],
     ]
+    rows[1] += [fmt(s["mean_over_none"], ".3f"), "-", "-"]
     failed = f" ({a['failed_runs']} of {a['runs']} auto runs failed)" if a["failed_runs"] else ""
     return [
         "",

@@ -1,9 +1,6 @@
 """One mirrored-benchmark run on 2 CPU processes: a Lightning strategy, or a plain torch DDP loop (the floor).
 
-Started by ``driver.py`` with a JSON spec; both modes train the spec's ``"workload"`` (the digits MLP with
-SGD, or the GPT with AdamW; ``harness/workloads.py``). Rank 0 writes ``result.json`` with its per-step times (the
-harness's ``StepTimer`` for Lightning; the same span, timed by hand, for the plain loop), their median and mean over the
-timed steps, the bytes sent per step and, under ``gradient_compression="auto"``, auto's choices and link figures.
+Started by ``driver.py`` with a JSON spec; rank 0 writes ``result.json`` (what it holds: README.md in this folder).
 """
 
 from __future__ import annotations
@@ -36,7 +33,6 @@ from ds_lightning.testing import free_port
 
 
 def make_optimizer(model: str, params: Any) -> torch.optim.Optimizer:
-    """The digits MLP's SGD (as before the GPT), or the GPT's AdamW (its own lr and betas, no weight decay)."""
     if model == "gpt":
         return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
@@ -61,7 +57,7 @@ class BenchModel(pl.LightningModule):
 
 def run_lightning(spec: dict[str, Any]) -> None:
     pl.seed_everything(0, verbose=False)
-    workload = _workloads.build(spec["workload"], spec["hidden"])
+    workload = _workloads.build(spec["workload"])
     strategy: Any = spec["strategy"]
     if strategy == "ds_mirrored" and spec["compression"] == "auto":  # the strategy's defaults, as a user gets them
         interval = {} if spec.get("auto_interval") is None else {"auto_interval": spec["auto_interval"]}
@@ -69,7 +65,7 @@ def run_lightning(spec: dict[str, Any]) -> None:
     elif strategy == "ds_mirrored" and spec["compression"] != "none":
         strategy = ds_lightning.MirroredStrategy(gradient_compression=spec["compression"], powersgd_start_iter=2)
     elif strategy == "ddp":  # like for like with ds_mirrored, whose default is gradient_as_bucket_view=True
-        strategy = DDPStrategy(gradient_as_bucket_view=spec.get("bucket_view", False))
+        strategy = DDPStrategy(gradient_as_bucket_view=spec["bucket_view"])
     timer = StepTimer(warmup=spec["warmup"])
     trainer = quiet_trainer(
         accelerator="cpu",
@@ -96,8 +92,8 @@ def _plain_worker(rank: int, spec: dict[str, Any], port: int) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=120))
-    workload = _workloads.build(spec["workload"], spec["hidden"])
-    model = nn.parallel.DistributedDataParallel(workload.net, gradient_as_bucket_view=spec.get("bucket_view", False))
+    workload = _workloads.build(spec["workload"])
+    model = nn.parallel.DistributedDataParallel(workload.net, gradient_as_bucket_view=spec["bucket_view"])
     optimizer = make_optimizer(workload.name, model.parameters())
     dataset = workload.train_set
     sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True)
