@@ -1,12 +1,6 @@
-"""Where a GPT step's CPU time goes, op by op, in fp32 and under bf16 autocast: why bf16 buys the GPT little here.
+"""Where a GPT step's CPU time goes, op by op, in fp32 and under bf16 autocast (``torch.profiler``; README.md).
 
-One process, 1 thread, the demo ``GPT`` (default shape), batch 8 windows of 128 tokens, AdamW; each repeat profiles
-``--steps`` steps of fp32, then of bf16 (``torch.autocast("cpu", torch.bfloat16)``, as ``MixedPrecision("bf16")``
-does), after 3 warm-up steps each. The table gives each op's self CPU time per step (``torch.profiler``), median over
-the repeats, for the ops that take the most time in either precision. The profiler adds overhead to every op, so the
-totals are above ``precision.py``'s step times; the comparison between the two columns is what this is for.
-
-    python -m benchmarks.precision.ops [--repeats 3] [--steps 5] [--top 10] [--out DIR]
+python -m benchmarks.precision.ops [--repeats 3] [--steps 5] [--top 10] [--out DIR]
 """
 
 from __future__ import annotations
@@ -21,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from benchmarks.harness import RESULTS
 from ds_lightning.demos import GPT
 
 PRECISIONS = ("fp32", "bf16")
@@ -51,7 +46,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--top", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="output folder (benchmarks/results)")
     opts = parser.parse_args()
     torch.set_num_threads(1)
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in PRECISIONS}

@@ -1,15 +1,7 @@
 """One precision-benchmark run: the spec's workload in one process, in fp32 or under ``MixedPrecision``.
 
-The workload (``benchmarks/harness/workloads.py``) is the digits classifier (``DigitsClassifier`` on the digits'
-training split) or the demo ``GPT`` LightningModule (AdamW) on the windows of :func:`_workloads.build`.
-
-Started by ``benchmarks/precision/driver.py`` with a JSON spec, in a fresh process per run so that the peak resident
-set size belongs to this run alone. Writes ``result.json``: every step's time and loss (the harness's
-``StepTimer``), the peak memory (on CPU the growth of the process's peak RSS over ``fit``; on CUDA the peak of
-``torch.cuda.max_memory_allocated`` during ``fit``), and the bytes autograd saved for backward per step (counted
-with saved-tensor hooks: the activations, and apart from them autocast's low-precision weight copies; parameters
-excluded), and under ``MixedPrecision("auto")`` what it measured and chose, and how long its measuring took (inside
-the first step, which is a warm-up step: the timer starts before the callback measures).
+Started by ``driver.py`` with a JSON spec, a fresh process per run so that the peak RSS is this run's alone; writes
+``result.json`` (step times and losses, peak memory, bytes saved for backward, auto's decision: README.md).
 """
 
 from __future__ import annotations
@@ -93,16 +85,15 @@ class SavedBytesCounter(pl.LightningModule):
 
 
 class CountingClassifier(SavedBytesCounter, DigitsClassifier):
-    """The digits classifier, counting its saved bytes."""
+    pass
 
 
 class CountingGPT(SavedBytesCounter, GPT):
-    """The demo GPT, counting its saved bytes."""
+    pass
 
 
 def model_and_data(spec: dict[str, Any]) -> tuple[SavedBytesCounter, Dataset]:
-    """The module and training set of the spec's workload (the digits exactly as before the GPT was added)."""
-    workload = spec.get("workload", {"model": "digits"})
+    workload = spec["workload"]
     if workload["model"] == "digits":
         data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
         data.setup("fit")

@@ -119,9 +119,11 @@ def test_render_of_the_digits_results_says_samples_per_second(tmp_path: Path):
 
 
 def test_op_profile_writes_both_precisions_per_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
-    """precision_ops.py profiles real steps: a row per top op with fp32, bf16 and their difference, and the total."""
-    argv = ["precision_ops.py", "--repeats", "1", "--steps", "1", "--top", "3", "--out", str(tmp_path)]
-    monkeypatch.setattr("sys.argv", argv)
+    """ops.py profiles real steps: a row per top op with fp32, bf16 and their difference, and the total; by default
+    into the shared results folder (harness.RESULTS, patched here), not one of its own."""
+    assert precision_ops.RESULTS == harness.RESULTS
+    monkeypatch.setattr(precision_ops, "RESULTS", tmp_path)
+    monkeypatch.setattr("sys.argv", ["ops.py", "--repeats", "1", "--steps", "1", "--top", "3"])
     precision_ops.main()
     lines = (tmp_path / "precision_gpt_ops.md").read_text().splitlines()
     rows = [line for line in lines if line.startswith("| `")]
