@@ -1,17 +1,8 @@
-"""One load-balance benchmark run: the spec's workload on 2 CPU processes under ds_mirrored + DynamicLoadBalancer.
+"""One load-balance run: the spec's workload on 2 CPU processes under ds_mirrored + DynamicLoadBalancer.
 
-Started by ``driver.py`` with a JSON spec; Lightning re-runs this script for every rank. Both
-configurations go through the balancer's data path: ``interval=0`` keeps the equal split ``initial_shares=[1, 1]``,
-``interval > 0`` re-divides the global batch by measured throughput. Rank ``slow_rank`` sleeps ``delay_per_sample``
-seconds per sample of its share inside ``training_step`` (so the balancer counts the sleep as compute).
-
-Every rank writes ``result.{r}.json`` into the spec's ``out_dir``: per epoch its wall time (epoch start to the end
-of its last batch), per step its time (batch start to batch end), local batch size and compute time (batch start to
-the launch of its last gradient bucket, the balancer's own measure); rank 0 adds the per-step sizes of every rank
-(``plan.sizes_at``), the final sizes and throughput estimates, and the final parameters' validation accuracy (digits)
-or perplexity on the first ``val_windows`` validation windows (GPT).
-
-The digits keep the classifier and split they always had; the GPT comes from ``_workloads.build``.
+Started by ``driver.py`` with a JSON spec; Lightning re-runs this script for every rank, and every rank writes
+``result.{rank}.json`` (its epoch and step times, local sizes and compute times; rank 0 adds the shares per step, the
+final sizes and estimates, and the final accuracy or perplexity). What each figure means: README.md.
 """
 
 from __future__ import annotations
@@ -36,13 +27,12 @@ from ds_lightning.callbacks import DynamicLoadBalancer
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
 
-class SlowClassifier(DigitsClassifier):
-    """The digits classifier; on ``slow_rank`` every ``training_step`` first sleeps ``delay_per_sample`` per sample."""
+class Straggler(pl.LightningModule):
+    """Mixed in first: on ``slow_rank`` every ``training_step`` sleeps ``delay_per_sample`` per sample, so the
+    balancer counts the sleep as compute."""
 
-    def __init__(self, slow_rank: int, delay_per_sample: float, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.slow_rank = slow_rank
-        self.delay_per_sample = delay_per_sample
+    slow_rank = 0
+    delay_per_sample = 0.0
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         if self.global_rank == self.slow_rank and self.delay_per_sample > 0:
@@ -50,23 +40,21 @@ class SlowClassifier(DigitsClassifier):
         return super().training_step(batch, batch_idx)
 
 
-class SlowWorkload(pl.LightningModule):
-    """A workload's net and loss (the GPT's) under AdamW; on ``slow_rank`` each step first sleeps, as above."""
+class SlowClassifier(Straggler, DigitsClassifier):
+    pass
 
-    def __init__(self, workload: _workloads.Workload, lr: float, slow_rank: int, delay_per_sample: float) -> None:
+
+class WorkloadModule(pl.LightningModule):
+    """A workload's net and loss (the GPT's) under AdamW."""
+
+    def __init__(self, workload: _workloads.Workload, lr: float) -> None:
         super().__init__()
-        self.net = workload.net
-        self.loss = workload.loss
-        self.lr = lr
-        self.slow_rank = slow_rank
-        self.delay_per_sample = delay_per_sample
+        self.net, self.loss, self.lr = workload.net, workload.loss, lr
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if self.global_rank == self.slow_rank and self.delay_per_sample > 0:
-            time.sleep(self.delay_per_sample * int(batch[0].shape[0]))
         x, y = batch
         return self.loss(self(x), y)
 
@@ -74,21 +62,26 @@ class SlowWorkload(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
 
 
+class SlowWorkload(Straggler, WorkloadModule):
+    pass
+
+
 def make_model(spec: dict[str, Any]) -> tuple[pl.LightningModule, Dataset, tuple[torch.Tensor, torch.Tensor], str]:
     """The module, the training set, the fixed validation batch and its figure (``"acc"`` or ``"ppl"``)."""
-    workload = spec.get("workload", {"model": "digits"})
-    if workload["model"] == "digits":
+    model: Straggler
+    if spec["workload"]["model"] == "digits":
         data = DigitsDataModule(batch_size=spec["global_batch_size"] // 2, seed=0)
         data.setup("fit")
         assert data.train_set is not None and data.val_set is not None
-        model = SlowClassifier(
-            spec["slow_rank"], spec["delay_per_sample"], hidden_sizes=spec["hidden"], lr=spec["lr"], momentum=0.9
-        )
-        return model, data.train_set, data.val_set.tensors, "acc"
-    built = _workloads.build(workload, seed=spec["seed"])
-    windows = [built.val_set[i] for i in range(min(spec["val_windows"], len(built.val_set)))]  # type: ignore[arg-type]
-    val = (torch.stack([w[0] for w in windows]), torch.stack([w[1] for w in windows]))
-    return SlowWorkload(built, spec["lr"], spec["slow_rank"], spec["delay_per_sample"]), built.train_set, val, "ppl"
+        model = SlowClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"], momentum=0.9)
+        train_set, val, metric = data.train_set, data.val_set.tensors, "acc"
+    else:
+        built = _workloads.build(spec["workload"], seed=spec["seed"])
+        windows = [built.val_set[i] for i in range(min(spec["val_windows"], len(built.val_set)))]  # type: ignore[arg-type]
+        val = (torch.stack([w[0] for w in windows]), torch.stack([w[1] for w in windows]))
+        model, train_set, metric = SlowWorkload(built, spec["lr"]), built.train_set, "ppl"
+    model.slow_rank, model.delay_per_sample = spec["slow_rank"], spec["delay_per_sample"]
+    return model, train_set, val, metric
 
 
 def evaluate(model: pl.LightningModule, val: tuple[torch.Tensor, torch.Tensor], metric: str) -> float:
