@@ -1,6 +1,5 @@
 """The cluster benchmark's plumbing: shaping and probing the namespace cluster's links, and launching one process per
-TF_CONFIG task on its own host (``driver.py`` holds the experiment and its reading).
-"""
+TF_CONFIG task on its own host."""
 
 from __future__ import annotations
 
@@ -18,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import harness
+from benchmarks.cluster.report import WORKERS
 from ds_lightning.testing import free_port, netns
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
-WORKERS = 2
 _ENV_DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
 _GRACE_S = 15.0  # how long the other tasks of a launch may run on after one of them failed
 LAUNCHES: list[dict[str, Any]] = []  # every launch: its configurations, duration, time to import, exit codes
@@ -50,11 +49,8 @@ _RECEIVE_CODE = (
 
 
 def shape_links(cluster: netns.Cluster, rates: dict[int, tuple[float, float | None]]) -> dict[str, Any]:
-    """Host i's link shaped to ``rates[i]`` = (Mbit/s, delay ms or None); every other host's link unshaped.
-
-    Raises:
-        netns.ShapingUnsupportedError: a delay was asked for and the kernel has no netem (links left unshaped).
-    """
+    """Host i's link shaped to ``rates[i]`` = (Mbit/s, delay ms or None), every other host's unshaped; raises
+    ``netns.ShapingUnsupportedError`` (links left unshaped) for a delay on a kernel without netem."""
     for host in cluster.hosts:
         cluster.unshape(host)
     kinds = {}
@@ -95,9 +91,6 @@ def probe_link(cluster: netns.Cluster, src: int, dst: int, mbytes: float) -> flo
             recv.wait()
 
 
-# --- launching --------------------------------------------------------------------------------------------------------
-
-
 def _tf_config(cluster: netns.Cluster, with_ps: bool, port: int) -> tuple[dict[str, Any], list[tuple[int, str, int]]]:
     """The cluster spec and the (host, task type, task index) of every task: workers on hosts 0 and 1, ps on 2."""
     address = [f"{host.address}:{port}" for host in cluster.hosts]
@@ -112,11 +105,8 @@ def _tf_config(cluster: netns.Cluster, with_ps: bool, port: int) -> tuple[dict[s
 def launch(
     cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace
 ) -> dict[str, Any]:
-    """One process per task on its own host, running ``configs`` in order; their records, or why they stopped.
-
-    Killed when a configuration takes longer than ``opts.timeout`` (counted from the launch or the previous
-    configuration's end), or ``_GRACE_S`` after any task failed.
-    """
+    """One process per task on its own host, running ``configs`` in order; their records, or why they stopped. Killed
+    when a configuration takes over ``opts.timeout`` s, or ``_GRACE_S`` after any task failed."""
     tmp = Path(tempfile.mkdtemp(prefix="ds-cluster-bench-"))
     try:
         records = tmp / "records"
@@ -126,7 +116,8 @@ def launch(
         spec_path = tmp / "spec.json"
         spec_path.write_text(json.dumps({**spec, "configs": configs, "records": str(records)}))
         procs, logs = [], []
-        start, wall_start = time.monotonic(), time.time()
+        start = progress = time.monotonic()
+        wall_start = time.time()
         for host_index, task_type, task_index in tasks:
             env = harness.worker_env(threads=1, rendezvous=False)
             for variable in _ENV_DROP:
@@ -144,10 +135,8 @@ def launch(
                         stderr=subprocess.STDOUT,
                     )
                 )
-        done = 0
-        progress = start
+        done, reason = 0, None
         failed_at: float | None = None
-        reason = None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
             finished = sum(all((records / f"{c['name']}.rank{r}.json").exists() for r in range(ranks)) for c in configs)
@@ -192,27 +181,17 @@ def launch(
 def run_configs(
     cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace
 ) -> tuple[dict[str, dict[int, dict[str, Any]] | dict[str, Any]], list[float]]:
-    """Every configuration's records (or ``{"error": ...}``): a failed one is recorded, the rest launched again.
-
-    Returns:
-        The records by configuration name, and the duration of every launch (also noted in ``LAUNCHES``).
-    """
+    """Every configuration's records (or ``{"error": ...}``) and every launch's duration: a failed configuration is
+    recorded, the rest launched again."""
     out: dict[str, Any] = {}
     launches: list[float] = []
     remaining = list(configs)
     while remaining:
         result = launch(cluster, spec, remaining, opts)
         launches.append(result["launch_s"])
-        LAUNCHES.append(
-            {
-                "kind": spec["kind"],
-                "configs": [c["name"] for c in remaining],
-                "launch_s": result["launch_s"],
-                "import_s": result["import_s"],
-                "exit_codes": result["exit_codes"],
-                "error": result.get("error"),
-            }
-        )
+        names = [c["name"] for c in remaining]
+        LAUNCHES.append({"kind": spec["kind"], "configs": names, "error": result.get("error")})
+        LAUNCHES[-1] |= {k: result[k] for k in ("launch_s", "import_s", "exit_codes")}
         for i, config in enumerate(remaining):
             name = config["name"]
             if name in result["records"]:

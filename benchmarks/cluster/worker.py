@@ -1,29 +1,7 @@
-"""One task of a cluster-benchmark run: a process on one network-namespace host, its role set by ``TF_CONFIG`` only.
-
-Started by ``driver.py`` (``python worker.py spec.json``) inside a host's namespace, one process
-per TF_CONFIG task, ``Trainer(devices=1)`` (the spec's ``devices``: 2 in part 4): the strategy reads the cluster from
-TF_CONFIG and picks the interface that holds the task's address (nothing here sets ``MASTER_ADDR``, ``MASTER_PORT``
-or ``GLOO_SOCKET_IFNAME``). The spec lists configurations run one after the other in this process (the process group
-stays up between fits); their ``kind``:
-
-* ``compression``: ds_mirrored with one ``gradient_compression`` setting for ``warmup + steps`` steps, on the spec's
-  ``"workload"`` (``harness/workloads.py``: the digits classifier, or the GPT under AdamW); under ``"auto"`` the
-  record adds auto's decisions and link figures (``benchmarks/mirrored/auto.py``);
-* ``ps``: ds_mirrored for ``steps`` steps, or ds_parameter_server with an update budget of the same samples;
-* ``balance``: ds_mirrored with ``DynamicLoadBalancer`` (``interval=0``: the equal split) for some epochs;
-* ``hierarchical``: ds_mirrored with the spec's ``hierarchical`` and ``gradient_compression``, 2 processes per host;
-  each host's local rank 0 reads its veth's ``tx_bytes`` (the spec's ``interface``) at the end of the warm-up and of
-  the last step, and rank 0 saves its final parameters into ``params_dir``.
-
-After each configuration every training task writes ``{name}.rank{r}.json`` into the spec's ``records`` folder: per
-step its time (batch start to batch end, data loading excluded), local batch size and (while balancing) compute time up
-to the launch of its last gradient bucket; per epoch its wall time; the samples it trained on and when its first step
-started and its last ended (wall clock, shared by all namespaces); the bytes per step handed to the all-reduce (also
-over the timed steps alone) and a checksum of its final parameters; rank 0 adds the validation accuracy of its final
-parameters (digits), or their validation perplexity on the spec's first ``val_windows`` validation windows (GPT). A
-configuration that raises ends the process, and the launcher starts the remaining ones again. A parameter server's
-``fit`` never returns (it leaves the process once it has served), so servers write nothing and run one configuration
-per launch.
+"""One task of a cluster-benchmark launch (``python worker.py spec.json``), started in its host's namespace, its role
+set by ``TF_CONFIG`` only. It runs the spec's configurations in order in this process (the process group stays up
+between fits) and after each writes ``{name}.rank{r}.json`` into the spec's ``records`` folder. A parameter server's
+``fit`` never returns, so servers write nothing and run one configuration per launch. See README.md.
 """
 
 from __future__ import annotations
@@ -63,8 +41,8 @@ def _budget_spent(trainer: pl.Trainer) -> bool:
 
 
 class Clock(StepTimer):
-    """The harness's step and epoch clock, stopped once a server's update budget is spent; counts this task's samples
-    and notes its compute time when a balancer runs."""
+    """The harness's clock, stopped once a server's update budget is spent; counts this task's samples, its compute
+    time (up to the last gradient bucket's launch, under a balancer) and, per host, its veth's bytes."""
 
     def __init__(self, warmup: int, interface: str | None = None) -> None:
         super().__init__(warmup)
@@ -114,12 +92,11 @@ class GPTModule(pl.LightningModule):
 
 @dataclass
 class Source:
-    """What every configuration of a launch trains on: the training set, the fixed validation batch, and (GPT) the
-    initial net, copied afresh for each configuration so every one starts from the same parameters."""
+    """What every configuration of a launch trains on; the GPT's initial net is copied for each configuration."""
 
     train_set: Dataset
     val: tuple[torch.Tensor, torch.Tensor]
-    net: torch.nn.Module | None = None  # None: the digits classifier, built from the seed as before the GPT
+    net: torch.nn.Module | None = None  # None: the digits classifier, built from the seed
 
 
 def make_source(spec: dict[str, Any]) -> Source:
@@ -130,11 +107,8 @@ def make_source(spec: dict[str, Any]) -> Source:
         assert data.train_set is not None and data.val_set is not None
         return Source(data.train_set, data.val_set.tensors)
     built = _workloads.build(workload, seed=spec["seed"])
-    count = min(spec["val_windows"], len(built.val_set))  # type: ignore[arg-type]
-    windows = [built.val_set[i] for i in range(count)]
-    return Source(
-        built.train_set, (torch.stack([w[0] for w in windows]), torch.stack([w[1] for w in windows])), built.net
-    )
+    windows = [built.val_set[i] for i in range(min(spec["val_windows"], len(built.val_set)))]  # type: ignore[arg-type]
+    return Source(built.train_set, tuple(torch.stack(t) for t in zip(*windows, strict=True)), built.net)  # type: ignore[arg-type]
 
 
 def _strategy(spec: dict[str, Any]) -> Any:
@@ -149,12 +123,9 @@ def _strategy(spec: dict[str, Any]) -> Any:
             timeout=timeout,
             **interval,
         )
-    # Equal samples with ds_mirrored's `steps` steps per worker: under max_staleness=0 one server update takes a batch
-    # from every worker, otherwise every push (one batch) is an update.
-    workers = spec["workers"]
-    staleness = spec["max_staleness"]
-    budget = spec["steps"] if staleness == 0 else workers * spec["steps"]
-    return ds_lightning.ParameterServerStrategy(max_staleness=staleness, max_updates=budget, timeout=timeout)
+    # Asynchronous, every push (one batch) is an update: the same samples as ds_mirrored's `steps` steps per worker.
+    budget = spec["workers"] * spec["steps"]
+    return ds_lightning.ParameterServerStrategy(max_staleness=None, max_updates=budget, timeout=timeout)
 
 
 def fit_one(spec: dict[str, Any], data: Source) -> None:

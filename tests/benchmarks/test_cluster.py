@@ -13,12 +13,11 @@ import torch
 
 from benchmarks import harness
 from benchmarks.cluster import worker
-from benchmarks.cluster.auto_report import summarise_auto
 from benchmarks.cluster.compression import (
     compression_configs,
     compression_spec,
     merge_compression,
-    ppl_verdict,
+    summarise_auto,
     summarise_compression,
     verdict,
 )
@@ -38,13 +37,13 @@ def _opts(*argv: str) -> argparse.Namespace:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        ((), (5, 2, 60, 32, [1, 4], ["compression", "ps", "balance", "hierarchical"], 3)),
-        (("--quick",), (2, 1, 6, 32, [1, 4], ["compression", "ps", "balance", "hierarchical"], 1)),
-        (("--model", "gpt"), (10, 3, 200, 8, [1, 4, 16], ["compression"], 3)),
-        (("--model", "gpt", "--quick"), (2, 1, 6, 8, [1, 4, 16], ["compression"], 1)),
+        ((), (3, 2, 60, 32, [4], ["compression", "ps", "balance", "hierarchical"], 3)),
+        (("--quick",), (2, 1, 6, 32, [4], ["compression", "ps", "balance", "hierarchical"], 1)),
+        (("--model", "gpt"), (6, 2, 150, 8, [4, 16], ["compression"], 3)),
+        (("--model", "gpt", "--quick"), (2, 1, 6, 8, [4, 16], ["compression"], 1)),
         (
             ("--model", "gpt", "--powersgd-ranks", "2", "--parts", "compression", "ps", "--acc-steps", "9"),
-            (10, 3, 9, 8, [2], ["compression", "ps"], 3),
+            (6, 2, 9, 8, [2], ["compression", "ps"], 3),
         ),
     ],
 )
@@ -109,6 +108,10 @@ def _comp(speedups: dict[str, float]) -> dict[str, Any]:
     return {"100mbit": link}
 
 
+def ppl_verdict(comp: dict[str, Any], ppl: dict[str, Any], configs: list[dict[str, Any]]) -> dict[str, Any]:
+    return verdict(comp, ppl, configs, gpt=True)
+
+
 def _ppl(values: dict[str, float | None]) -> dict[str, Any]:
     return {n: ({"error": "boom"} if v is None else {"final_ppl": v}) for n, v in values.items()}
 
@@ -147,7 +150,7 @@ def test_the_verdicts_judge_fixed_settings_only_not_auto():
     t = ppl_verdict(_comp(speed), _ppl(ppl), _configs([16]))
     assert (t["best"], t["value"]["median"]) == ("powersgd_r16", 3.0) and "auto" not in t["excluded_for_ppl_ratio"]
     acc = {n: {"final_acc": 0.9} for n in ("none", "fp16", "powersgd_r16")}
-    d = verdict(_comp(speed), acc)
+    d = verdict(_comp(speed), acc, _configs([16]), gpt=False)
     assert (d["best"], d["value"]["median"]) == ("powersgd_r16", 3.0) and "auto" not in d[
         "excluded_for_accuracy_points"
     ]
@@ -244,7 +247,7 @@ def _run(step_ms: float, mb: float, ppl: float) -> dict[str, Any]:
 
 
 def _gpt_data() -> dict[str, Any]:
-    opts = _opts("--model", "gpt", "--quick")
+    opts = _opts("--model", "gpt", "--quick", "--powersgd-ranks", "1", "4", "16")
     configs = compression_configs(opts)
     mb = {"none": 3.5, "fp16": 1.75, "bf16": 1.75, "powersgd_r1": 0.02, "powersgd_r4": 0.08, "powersgd_r16": 0.3}
     fast = {"none": 200.0, "fp16": 150.0, "bf16": 160.0, "powersgd_r1": 110.0, "powersgd_r4": 120.0}
@@ -369,3 +372,31 @@ def test_the_committed_digits_results_render_to_the_committed_page(tmp_path: Pat
     )
     assert lines == source.with_suffix(".md").read_text().splitlines()
     assert (tmp_path / "cluster.png").exists() and not (tmp_path / "cluster_gpt.md").exists()
+
+
+def test_parts_2_and_3_read_each_launchs_ranks_and_pair_the_arms_per_repeat():
+    from benchmarks.cluster.driver import merge_balance, merge_ps, summarise_balance, summarise_ps
+
+    def rank(first: float, last: float, steps: int, acc: float | None = None) -> dict[str, Any]:
+        return {"samples": 32 * steps, "steps": steps, "first_start": first, "last_end": last, "final_acc": acc,
+                "step_ms": [900.0] + [100.0] * (steps - 1), "params": 10}  # fmt: skip
+
+    mirrored = merge_ps({0: rank(0.0, 4.0, 10, 0.9), 1: rank(0.5, 4.0, 10)})
+    ps = merge_ps({0: rank(0.0, 2.0, 15, 0.8), 1: rank(0.0, 2.0, 5)})
+    assert (mirrored["samples_per_s"], mirrored["step_ms"], mirrored["steps"]) == (160.0, [100.0, 100.0], [10, 10])
+    s = summarise_ps({"ds_mirrored": [mirrored, {"error": "boom"}], "ps_async": [ps, ps]})
+    assert s["ps_async"]["throughput_over_mirrored"]["runs"] == [2.0]  # the failed repeat pairs with nothing
+    assert s["ps_async"]["acc_points_vs_mirrored"]["median"] == pytest.approx(-10.0)
+    assert s["ds_mirrored"]["failed_runs"] == 1 and s["ps_async"]["steps_w1"]["median"] == 5
+
+    def balance_rank(compute_ms: float, sizes: list[int]) -> dict[str, Any]:
+        return {"epoch_s": [3.0, 2.0, 1.0, 1.5], "step_ms": [50.0, 40.0, 30.0, 20.0], "compute_ms": [compute_ms] * 4,
+                "local_sizes": [256] * 4, "final_sizes": sizes, "estimate": None, "final_acc": 0.8,
+                "sizes": [sizes] * 4}  # fmt: skip
+
+    equal = merge_balance({0: balance_rank(25.6, [256, 256]), 1: balance_rank(51.2, [256, 256])}, warmup_epochs=2)
+    assert (equal["median_epoch_s"], equal["median_step_ms"]) == (1.25, 25.0)  # epochs 3 and 4, their steps
+    assert equal["compute_ms_per_sample"] == pytest.approx([0.1, 0.2]) and equal["final_share_rank0"] == 0.5
+    balanced = {**equal, "median_epoch_s": 1.0, "final_share_rank0": 0.6, "final_sizes": [307, 205]}
+    b = summarise_balance({"equal": [equal], "balanced": [balanced]})
+    assert b["ratio_epoch"]["median"] == 0.8 and b["balanced"]["final_sizes"] == [[307, 205]]
