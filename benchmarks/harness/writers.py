@@ -143,7 +143,9 @@ def bar_panels(
             if ratio:
                 top = summary[arm][panel.key]["max"]
                 ax.annotate(f"{fmt(ratio, '.2f').split(' ')[0]}x", (i, top), ha="center", va="bottom", fontsize=8)
-        ax.set_xticks(range(len(arms)), arms, fontsize=8)
+        # more than a few arm names side by side run into each other: slant them
+        slant = {"rotation": 30, "ha": "right"} if len(arms) > 4 else {}
+        ax.set_xticks(range(len(arms)), arms, fontsize=8, **slant)
         ax.set_ylabel(panel.ylabel, fontsize=9)
         if panel.log:
             ax.set_yscale("log")
