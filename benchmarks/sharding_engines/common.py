@@ -1,76 +1,75 @@
-"""What the memory and sharding-engines benchmarks share (``memory/``, ``sharding_engines/``): their
-options and workload defaults, issue 16's targets and verdicts, the MB figures, the summary and pieces of the page.
-
-Both run the same workloads and the same runs (only the engine differs); this module keeps them so.
-"""
+"""What ``memory/`` and ``sharding_engines/`` share: options, workload defaults, issue 16's targets, the byte counts
+and the summary and page pieces (both run the same workloads; only the engine differs). See ``README.md``."""
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from benchmarks import harness
 from benchmarks.harness import Panel, fmt
 from benchmarks.harness import workloads as _workloads
 
-#: per-workload defaults of the options left unset: a full run, then --quick
+#: per workload, the full run's and --quick's steps, warm-up and batch where the command line leaves them unset
 MODEL_DEFAULTS = {
-    "digits": ({"steps": 100, "warmup": 10, "batch_size": 32}, {"steps": 5, "warmup": 2}),
-    "gpt": ({"steps": 20, "warmup": 3, "batch_size": 8}, {"steps": 3, "warmup": 1}),
+    "digits": ({"steps": 40, "warmup": 5, "batch_size": 32}, {"steps": 5, "warmup": 2}),
+    "gpt": ({"steps": 10, "warmup": 2, "batch_size": 8}, {"steps": 3, "warmup": 1}),
 }
 OPTIMIZERS = {"digits": "Adam (lr 1e-3)", "gpt": "AdamW (lr 3e-4, betas 0.9/0.95, no weight decay)"}
-#: the optimizer-state target per world size (issue 16); other sizes are reported without one
-STATE_TARGETS = {2: 0.55, 4: 0.30}
+STATE_TARGETS = {2: 0.55, 4: 0.30}  # issue 16; other world sizes are reported without one
 STEP_TARGET = 1.10
 BYTES_TARGET = 1.1
-#: the sharding-engines benchmark's parity target: final parameters equal to DDP's within fp32 tolerance
 PARITY_ATOL = 1e-5
+HIDDEN = [1024, 1024]
+#: ``ZeroRedundancyOptimizer(parameters_as_bucket_view=True)`` broadcasts one fp32 element for a rank owning nothing
+DUMMY_BUCKET_BYTES = 4
 
 
-def add_options(parser: argparse.ArgumentParser) -> None:
-    """Both benchmarks' options (beyond the harness's): process counts, steps, widths, batch, timeout, workload."""
-    parser.add_argument("--procs", type=int, nargs="+", default=[2, 4], help="process counts (2 4)")
-    parser.add_argument(
-        "--steps", type=int, default=None, help="timed steps per run (digits 100, GPT 20; --quick: 5, 3)"
-    )
-    parser.add_argument(
-        "--warmup", type=int, default=None, help="warm-up steps left out (digits 10, GPT 3; --quick: 2, 1)"
-    )
-    parser.add_argument("--hidden", type=int, nargs="+", default=[1024, 1024], help="hidden widths (1024 1024)")
-    parser.add_argument("--batch-size", type=int, default=None, help="batch per process (digits 32, GPT 8)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (600)")
-    _workloads.add_options(parser)
+def make_optimizer(model_name: str, params: Any) -> torch.optim.Optimizer:
+    """Adam on the digits; AdamW on the GPT, as the mirrored benchmark trains it."""
+    if model_name == "gpt":
+        return torch.optim.AdamW(params, lr=3e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    return torch.optim.Adam(params, lr=1e-3)
 
 
-def model_defaults(opts: argparse.Namespace) -> argparse.Namespace:
-    """Fill ``--steps``, ``--warmup`` and ``--batch-size`` left unset from the workload's full or quick defaults."""
-    return _workloads.fill_defaults(
-        opts, {m: d[0] for m, d in MODEL_DEFAULTS.items()}, {m: d[1] for m, d in MODEL_DEFAULTS.items()}
-    )
+def broadcast_bytes(partition: Sequence[Sequence[Mapping[str, Any]]], bucket_view: bool = False) -> list[int]:
+    """Per rank, the bytes it broadcasts as owner per step in ``ZeroRedundancyOptimizer._sync_params``: every owned
+    parameter, or with ``bucket_view`` one bucket of the owned trainable ones. ``partition`` is
+    ``_partition_parameters()``. A count, not a measurement."""
+    out = []
+    for groups in partition:
+        params = [p for group in groups for p in group["params"] if p.requires_grad or not bucket_view]
+        size = sum(p.numel() * p.element_size() for p in params)
+        out.append(size or DUMMY_BUCKET_BYTES if bucket_view else size)
+    return out
 
 
-def meta(opts: argparse.Namespace) -> dict[str, Any]:
-    """The workload's spec and label for the results (after :func:`model_defaults`)."""
-    model_defaults(opts)
-    workload = _workloads.spec_of(opts)
-    return {"workload": workload, "workload_label": _workloads.label(workload, opts.hidden)}
+def broadcasts_per_step(partition: Sequence[Sequence[Mapping[str, Any]]], bucket_view: bool = False) -> int:
+    """The ``broadcast`` calls every rank joins per step: one per parameter, or one bucket per rank."""
+    return len(partition) if bucket_view else sum(len(g["params"]) for groups in partition for g in groups)
 
 
-def workload_label(data: dict[str, Any]) -> str:
-    """The page's name for the workload (results from before the GPT: the digits MLP of their widths)."""
-    return data.get("workload_label") or _workloads.label({"model": "digits"}, data["settings"].get("hidden"))
+def padded_shard_bytes(shape: torch.Size, element_size: int, world: int) -> int:
+    """One rank's FSDP2 shard of a parameter: dim 0 padded up to a multiple of ``world``, split evenly."""
+    rows = math.ceil(shape[0] / world) if len(shape) else 1
+    return rows * math.prod(shape[1:]) * element_size
+
+
+def fsdp_bytes(params: list[torch.Tensor], world: int) -> tuple[int, int]:
+    """This rank's FSDP2 payloads per step, ``(all-gather, reduce-scatter)``: with ``reshard_after_forward=False``
+    its padded shard of every trainable parameter is gathered once, and every gradient whole (padded) scattered once."""
+    shard = sum(padded_shard_bytes(p.shape, p.element_size(), world) for p in params if p.requires_grad)
+    return shard, world * shard
 
 
 def ring_bytes(rank: Mapping[str, Any], world: int) -> float:
-    """Bytes a rank sends per step if every collective ran as a ring, its broadcasts counted once from the owner.
-
-    ``rank`` holds its payloads: ``allreduce_bytes``, ``broadcast_bytes``, ``allgather_bytes`` (its shard) and
-    ``reducescatter_bytes`` (the whole input). A ring all-reduce of B bytes sends 2(N-1)/N B per rank; a ring
-    all-gather of a B/N shard sends (N-1) B/N; a ring reduce-scatter of a B input sends (N-1)/N B. A broadcast's owner
-    sends its payload at least once (a lower bound: a one-to-all broadcast sends it N-1 times).
-    """
+    """What a rank sends per step if every collective ran as a ring: 2(N-1)/N of an all-reduce, (N-1) shards of an
+    all-gather, (N-1)/N of a reduce-scatter, and a broadcast once from its owner (a lower bound)."""
     n = world
     return (
         2 * (n - 1) / n * rank["allreduce_bytes"]
@@ -80,22 +79,116 @@ def ring_bytes(rank: Mapping[str, Any], world: int) -> float:
     )
 
 
-def verdict(ratio: Mapping[str, Any] | None, limit: float | None) -> str:
-    """The harness's verdict on a ratio against its upper ``limit``; ``-`` with no target."""
-    return "-" if limit is None else harness.verdict(ratio, at_most=limit)
+BYTE_KEYS = ("allreduce_bytes", "broadcast_bytes", "allgather_bytes", "reducescatter_bytes")
+#: the byte figures summarised in MB, each as ``<name>_mb...`` (``grad_bytes`` -> ``grad_mb``)
+MB = ("state_bytes_max", "state_bytes_min", "grad_bytes", "broadcast_bytes_max", "sent_bytes_max", "ring_bytes_max")
+MB += ("fsdp_bytes_max", *BYTE_KEYS)
+
+
+def reading_of(result: Mapping[str, Any]) -> dict[str, Any]:
+    """One run's record from rank 0's ``result.json``: rank 0's median step, the per-rank and largest figures, and
+    the payload parts of the rank that hands the most."""
+    ranks = sorted(result["ranks"], key=lambda r: r["rank"])
+    state = [r["state_bytes"] for r in ranks]
+    sent = [sum(r[k] for k in BYTE_KEYS) for r in ranks]
+    rss = [r["peak_rss_mb"] for r in ranks]
+    largest = ranks[max(range(len(ranks)), key=sent.__getitem__)]
+    return {
+        "step_ms": result["median_step_ms"],
+        "parameters": result["parameters"],
+        "optimizer_class": ranks[0]["optimizer_class"],
+        "state_bytes_ranks": state,
+        "state_bytes_max": max(state),
+        "state_bytes_min": min(state),
+        "sent_bytes_ranks": sent,
+        "sent_bytes_max": max(sent),
+        "ring_bytes_max": max(ring_bytes(r, len(ranks)) for r in ranks),
+        **{k: largest[k] for k in BYTE_KEYS},
+        "grad_bytes": ranks[0]["allreduce_bytes"],
+        "broadcast_bytes_ranks": [r["broadcast_bytes"] for r in ranks],
+        "broadcast_bytes_max": max(r["broadcast_bytes"] for r in ranks),
+        "broadcast_calls": ranks[0].get("broadcast_calls", 0),
+        "fsdp_bytes_max": max(r["allgather_bytes"] + r["reducescatter_bytes"] for r in ranks),
+        "rss_mb_ranks": rss,
+        "rss_mb_max": max(rss),
+    }
+
+
+class ShardingBenchmark(harness.Benchmark):
+    """What both drivers share: the workloads and options, the launch and reading, the summary and the chart."""
+
+    models = ("digits", "gpt")
+    worker: Path
+    title: str
+    summary_keys: Sequence[str]
+    ratio_keys: Sequence[str]
+    bytes_panel: Panel
+    colors: Mapping[str, str]
+
+    def options(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--procs", type=int, nargs="+", default=[2, 4], help="process counts (2 4)")
+        _workloads.add_options(parser)
+
+    def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
+        opts.hidden, opts.timeout = HIDDEN, 600.0
+        _workloads.fill_defaults(opts, *({m: d[i] for m, d in MODEL_DEFAULTS.items()} for i in (0, 1)))
+        workload = _workloads.spec_of(opts)
+        return {"workload": workload, "workload_label": _workloads.label(workload, opts.hidden)}
+
+    def spec(self, arm: harness.Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
+        keys = ("hidden", "batch_size", "steps", "warmup", "timeout")
+        return {**arm.params, **{k: getattr(opts, k) for k in keys}, "workload": _workloads.spec_of(opts)}
+
+    def run(self, arm: harness.Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
+        found, _, _ = harness.launch(self.worker, self.spec(arm, repeat, opts), opts.timeout, harness.worker_env(1))
+        return {"rc": found["rc"], **reading_of(found["result"])}
+
+    def progress(self, record: dict[str, Any]) -> str:
+        return (
+            f"{record['step_ms']:.2f} ms/step, state {record['state_bytes_max'] / 1e6:.3f} MB,"
+            f" payload {record['sent_bytes_max'] / 1e6:.3f} MB/step (largest rank, counted)"
+        )
+
+    def spreads(self, data: dict[str, Any], pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
+        """The spreads of :attr:`summary_keys` (byte figures in MB, derived here: ``--render`` needs nothing new),
+        ``<key>_ratio`` of each ``(arm, base)`` per repeat, and per arm its ``first`` run (per-rank figures)."""
+        records = [
+            r if "error" in r else {**r, **{b.replace("_bytes", "_mb"): r[b] / 1e6 for b in MB if r.get(b) is not None}}
+            for r in data["records"]
+        ]
+        s: dict[str, Any] = harness.summarise(records, list(data["arms"]), self.summary_keys)
+        for arm, base in pairs:
+            for key in self.ratio_keys if arm in s else ():
+                s[arm][f"{key}_ratio"] = harness.paired(records, arm, base, key)
+        for arm in data["arms"]:
+            s[arm]["first"] = min(harness.ok(records, arm), key=lambda r: r["repeat"], default=None)
+        return s
+
+    def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
+        path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
+        panels = [
+            Panel("state_mb_max", "optimizer state, largest rank (MB)", "state_mb_max_ratio"),
+            Panel("step_ms", "median step (ms)", "step_ms_ratio"),
+            self.bytes_panel,
+        ]
+        title = f"{self.title} on the {data['workload_label']} (min-max over repeats)"
+        colors = {a: self.colors[a.split("_")[0]] for a in data["arms"]}
+        harness.bar_panels(path, {a: data["summary"][a] for a in data["arms"]}, panels, title, colors)
+        return [path]
 
 
 def judged(arm: Mapping[str, Any], procs: int, checks: Sequence[tuple[str, str, float | None]]) -> list[dict[str, Any]]:
-    """Per ``(what, key, limit)`` check: the arm's ``<key>_ratio`` and its verdict."""
+    """Per ``(what, key, limit)``: the arm's ``<key>_ratio`` and the harness's verdict on it (``-`` with no limit)."""
     out = []
     for what, key, limit in checks:
         ratio = arm.get(f"{key}_ratio")
-        out.append({"what": what, "procs": procs, "ratio": ratio, "limit": limit, "verdict": verdict(ratio, limit)})
+        v = "-" if limit is None else harness.verdict(ratio, at_most=limit)
+        out.append({"what": what, "procs": procs, "ratio": ratio, "limit": limit, "verdict": v})
     return out
 
 
 def verdicts(targets: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """The targets of :func:`judged` as ``summary["verdicts"]`` lists them; a figure without a limit is left out."""
+    """The targets with a limit, as ``summary["verdicts"]`` lists them."""
     return [
         harness.judged(
             f"{t['engine'] + ': ' if 'engine' in t else ''}{t['what']}, {t['procs']} processes",
@@ -108,91 +201,33 @@ def verdicts(targets: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def with_mb(records: list[dict[str, Any]], mb_keys: Mapping[str, str]) -> list[dict[str, Any]]:
-    """The records, their byte figures also in MB (derived here, so ``--render`` needs nothing new in the JSON)."""
-    return [
-        {**r, **{mb: r[b] / 1e6 for b, mb in mb_keys.items() if r.get(b) is not None}} if "error" not in r else r
-        for r in records
-    ]
-
-
-def summarise(
-    data: dict[str, Any],
-    mb_keys: Mapping[str, str],
-    keys: Sequence[str],
-    ratio_keys: Sequence[str],
-    pairs: Sequence[tuple[str, str]],
-) -> dict[str, Any]:
-    """The harness's summary of ``keys``; ``<key>_ratio`` of each ``(arm, base)`` pair, per repeat, for
-    ``ratio_keys``; and per arm its ``first`` run (the per-rank figures, deterministic but for the RSS, of one run)."""
-    records = with_mb(data["records"], mb_keys)
-    s: dict[str, Any] = harness.summarise(records, list(data["arms"]), keys)
-    for arm, base in pairs:
-        if arm in s:
-            for key in ratio_keys:
-                s[arm][f"{key}_ratio"] = harness.paired(records, arm, base, key)
-    for arm in data["arms"]:
-        s[arm]["first"] = min(harness.ok(records, arm), key=lambda r: r["repeat"], default=None)
-    return s
-
-
-def progress(record: dict[str, Any]) -> str:
-    """One run's line while the benchmark runs."""
+def setup_line(data: dict[str, Any]) -> str:
+    """The page's sentence on the optimizer, parameters, batch, steps and repeats."""
+    s, st, workload = data["summary"], data["settings"], data["workload"]
+    params = next((v["first"]["parameters"] for a, v in s.items() if a in data["arms"] and v["first"]), None)
+    windows = f" windows of {workload.get('block_size')} tokens" if workload["model"] == "gpt" else ""
     return (
-        f"{record['step_ms']:.2f} ms/step, state {record['state_bytes_max'] / 1e6:.3f} MB,"
-        f" payload {record['sent_bytes_max'] / 1e6:.3f} MB/step (largest rank, counted)"
+        f" {OPTIMIZERS.get(workload['model'], '?')}; {f'{params:,}' if params else '?'} parameters;"
+        f" batch {st['batch_size']}{windows} per process;"
+        f" {st['warmup']} warm-up + {st['steps']} timed steps per run; {st['repeats']} interleaved repeat(s)."
     )
 
 
-def parameters(data: dict[str, Any]) -> str:
-    """The workload's parameter count, as the page writes it (``?`` when no run succeeded)."""
-    s = data["summary"]
-    params = next((v["first"]["parameters"] for a, v in s.items() if a in data["arms"] and v["first"]), None)
-    return f"{params:,}" if params else "?"
-
-
-def per_rank_state(first: Mapping[str, Any]) -> str:
-    """One run's optimizer state per rank in MB, ``rank 0 / 1 / ...`` (``-`` for none)."""
-    return " / ".join(f"{b / 1e6:.3f}" for b in first.get("state_bytes_ranks", [])) or "-"
-
-
-def batch(data: dict[str, Any]) -> str:
-    """The batch per process, in windows of tokens on the GPT."""
-    model = data.get("workload", {}).get("model", "digits")
-    windows = f" windows of {data['workload'].get('block_size')} tokens" if model == "gpt" else ""
-    return f"{data['settings']['batch_size']}{windows}"
+def rank_state(first: Mapping[str, Any] | None) -> str:
+    """One run's optimizer state per rank in MB, ``rank 0 / 1 / ...``."""
+    return " / ".join(f"{b / 1e6:.3f}" for b in (first or {}).get("state_bytes_ranks", [])) or "-"
 
 
 def target_cells(target: Mapping[str, Any]) -> list[str]:
-    """A target's ratio, limit and verdict, as table cells."""
+    limit = target["limit"]
+    verdict = target["verdict"]
     return [
         fmt(target["ratio"], ".3f"),
-        f"<= {target['limit']:.2f}x" if target["limit"] is not None else "-",
-        f"**{target['verdict']}**" if target["verdict"] != "-" else "-",
+        "-" if limit is None else f"<= {limit:.2f}x",
+        f"**{verdict}**" if verdict != "-" else "-",
     ]
 
 
 def failed(data: dict[str, Any]) -> list[str]:
-    """The page's list of failed runs (nothing when none failed)."""
     errors = [f"{a}: {e}" for a in data["arms"] for e in data["summary"][a]["errors"]]
     return ["", "Failed runs:", *(f"- {f}" for f in errors)] if errors else []
-
-
-def plot(
-    benchmark: harness.Benchmark, data: dict[str, Any], out: Path, bytes_panel: Panel, title: str, colors: Any
-) -> list[Path]:
-    """The state, step-time and ``bytes_panel`` bars of every arm, with their ratios, in one PNG."""
-    s = data["summary"]
-    path = out / f"{harness.stem(benchmark, data['settings'].get('model'))}.png"
-    harness.bar_panels(
-        path,
-        {a: s[a] for a in data["arms"]},
-        [
-            Panel("state_mb_max", "optimizer state, largest rank (MB)", "state_mb_max_ratio"),
-            Panel("step_ms", "median step (ms)", "step_ms_ratio"),
-            bytes_panel,
-        ],
-        title=f"{title} (min-max over repeats)",
-        colors=colors,
-    )
-    return [path]

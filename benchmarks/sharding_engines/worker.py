@@ -1,19 +1,6 @@
-"""One sharding-engines run: a plain torch training loop on N CPU processes under one engine.
-
-Started by ``driver.py`` with a JSON spec (``procs``, ``engine``, the ``"workload"``: the digits
-MLP under Adam, or the GPT under AdamW; ``harness/workloads.py``). No Lightning: ``torch.multiprocessing`` starts
-the ranks (gloo, 1 thread each), and each trains the same batches from the same seed under one engine:
-
-- ``ddp``: ``DistributedDataParallel`` and the whole optimizer on every rank;
-- ``zero``: ``DistributedDataParallel`` and torch's ``ZeroRedundancyOptimizer``, wrapped exactly as
-  ``ds_lightning.sharding.shard_optimizer`` wraps it;
-- ``fsdp``: FSDP2, ``fully_shard(reshard_after_forward=False)`` on each of ``ds_lightning.sharding.fsdp2.shard_units``
-  (the MLP's linear layers; the GPT's embedding, blocks, last norm and head), then on the root, and the optimizer over
-  the sharded parameters: the units ``MirroredStrategy(sharding_engine="fsdp2")`` shards.
-
-At the end every rank reads its figures (optimizer-state bytes, payload bytes per step, counted, peak RSS); rank 0
-gathers them (a collective every rank joins) and writes ``result.json`` with its step times, and, when the spec names a
-``params_path``, the final parameters (whole, flattened in ``parameters()`` order) for the parity check.
+"""One sharding-engines run: a plain torch training loop (no Lightning) on N CPU processes under one engine, ``ddp``,
+``zero`` or ``fsdp`` (see ``README.md``). Rank 0 writes ``result.json`` (every rank's figures, its step times) and,
+with a ``params_path``, the final parameters for the parity check.
 """
 
 from __future__ import annotations
@@ -34,7 +21,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
@@ -42,26 +28,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks.harness import workloads as _workloads
-from benchmarks.memory.worker import broadcast_bytes, fsdp_bytes, make_optimizer, padded_shard_bytes
-from ds_lightning.sharding import shard_optimizer
+from benchmarks.sharding_engines.common import broadcast_bytes, fsdp_bytes, make_optimizer
+from ds_lightning.sharding import optimizer_state_bytes, shard_optimizer
 from ds_lightning.sharding.fsdp2 import shard_units
-
-__all__ = ["ENGINES", "fsdp_bytes", "padded_shard_bytes", "state_bytes", "train"]
-
-ENGINES = ("ddp", "zero", "fsdp")
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the optimizer-state tensors this rank holds: its shard of a DTensor, its partition under ZeRO."""
-    state = optimizer.optim.state if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer.state
-    total = 0
-    for per_param in state.values():
-        for value in per_param.values():
-            if isinstance(value, DTensor):
-                value = value.to_local()
-            if isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-    return total
 
 
 def _batches(workload: _workloads.Workload, spec: dict[str, Any], rank: int):
@@ -77,8 +46,7 @@ def _batches(workload: _workloads.Workload, spec: dict[str, Any], rank: int):
 def _wrap(engine: str, workload: _workloads.Workload, model_name: str, world: int):
     """The module to call, the optimizer, and this rank's counted bytes per step (a dict)."""
     net = workload.net
-    trainable = [p for p in net.parameters() if p.requires_grad]
-    grad = sum(p.numel() * p.element_size() for p in trainable)
+    grad = sum(p.numel() * p.element_size() for p in net.parameters() if p.requires_grad)
     if engine == "fsdp":
         for unit in shard_units(net):
             fully_shard(unit, reshard_after_forward=False)
@@ -98,10 +66,8 @@ def _wrap(engine: str, workload: _workloads.Workload, model_name: str, world: in
 
 
 def train(rank: int, spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """One rank: join the group, train ``warmup + steps`` steps under the spec's engine, report (rank 0 writes).
-
-    Returns the trained module and its optimizer, for a caller that must keep them alive (see :func:`_rank`).
-    """
+    """One rank: train ``warmup + steps`` steps under the spec's engine and report; returns what :func:`_rank` keeps
+    alive."""
     torch.set_num_threads(1)
     world = spec["procs"]
     timeout = datetime.timedelta(seconds=spec.get("timeout", 300))
@@ -124,7 +90,7 @@ def train(rank: int, spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optim
         mine = {
             "rank": rank,
             "optimizer_class": type(optimizer).__name__,
-            "state_bytes": state_bytes(optimizer),
+            "state_bytes": optimizer_state_bytes(optimizer),
             **sent,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
         }
@@ -132,13 +98,8 @@ def train(rank: int, spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optim
         dist.all_gather_object(ranks, mine)
         if rank == 0:
             timed = step_ms[spec["warmup"] :]
-            out = {
-                "median_step_ms": statistics.median(timed),
-                "step_ms": timed,
-                "ranks": ranks,
-                "parameters": workload.parameters,
-            }
-            Path(spec["out_dir"], "result.json").write_text(json.dumps(out))
+            out = {"median_step_ms": statistics.median(timed), "step_ms": timed, "ranks": ranks}
+            Path(spec["out_dir"], "result.json").write_text(json.dumps({**out, "parameters": workload.parameters}))
             if spec.get("params_path"):
                 torch.save(torch.cat([p.detach().flatten() for p in params]), spec["params_path"])
         dist.barrier()
@@ -148,12 +109,10 @@ def train(rank: int, spec: dict[str, Any]) -> tuple[nn.Module, torch.optim.Optim
 
 
 def _rank(rank: int, spec: dict[str, Any]) -> None:
-    """A spawned rank: :func:`train`, then leave at once.
+    """A spawned rank: :func:`train`, then ``os._exit`` without teardown.
 
-    Freeing DDP's reducer, the last owner of a destroyed gloo group, can deadlock (the group's destructor joins its
-    gloo thread while holding the GIL, and that thread waits for the GIL to free a finished all-gather; seen at 4
-    ranks), so a rank keeps what :func:`train` returns and exits without teardown once its figures are written; an
-    error still exits non-zero, with its traceback.
+    Freeing DDP's reducer, the last owner of a destroyed gloo group, can deadlock (its destructor joins the gloo
+    thread holding the GIL while that thread waits for the GIL; seen at 4 ranks), so nothing is freed before exit.
     """
     code = 1
     try:
@@ -169,8 +128,6 @@ def _rank(rank: int, spec: dict[str, Any]) -> None:
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    if spec["engine"] not in ENGINES:
-        raise ValueError(f"engine={spec['engine']!r}: choose one of {ENGINES}")
     mp.start_processes(_rank, args=(spec,), nprocs=spec["procs"], start_method="spawn")
 
 

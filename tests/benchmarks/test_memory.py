@@ -17,10 +17,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from benchmarks import harness
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.memory.driver import Memory, arm_name, arm_title, reading_of
-from benchmarks.memory.worker import broadcast_bytes, broadcasts_per_step
+from benchmarks.memory.driver import Memory, arm_name, arm_title
 from benchmarks.memory.worker import main as worker_main
-from benchmarks.sharding_engines.common import verdict
+from benchmarks.sharding_engines.common import broadcast_bytes, broadcasts_per_step, judged, reading_of
 from ds_lightning.testing import free_port
 
 
@@ -71,8 +70,9 @@ def test_broadcast_bytes_match_what_zero_redundancy_optimizer_broadcasts(one_ran
     ],
 )
 def test_verdict_judges_the_median_ratio_by_the_harness_rule(runs: tuple, limit: float | None, expected: str):
-    assert verdict(harness.spread(runs), limit) == expected
-    assert verdict(None, 1.0) == "no data"
+    (target,) = judged({"x_ratio": harness.spread(runs)}, 2, [("what", "x", limit)])
+    assert target["verdict"] == expected
+    assert judged({}, 2, [("what", "x", 1.0)])[0]["verdict"] == "no data"
 
 
 def _opts(*argv: str) -> argparse.Namespace:
@@ -96,7 +96,7 @@ def _ranks(procs: int, engine: str | None, total_state: int, grad: float, params
             "rank": r,
             "optimizer_class": "ZeroRedundancyOptimizer" if zero else "Adam",
             "state_bytes": state[r],
-            "grad_bytes": 0.0 if fsdp2 else grad,
+            "allreduce_bytes": 0.0 if fsdp2 else grad,
             "broadcast_bytes": bcast[r],
             "broadcast_calls": 6 if zero else 0,
             "allgather_bytes": params_bytes // procs if fsdp2 else 0,
@@ -185,3 +185,11 @@ def test_worker_reads_a_ranks_state_gradient_and_broadcast_bytes(
     assert reading["fsdp_bytes_max"] == (8 * params if fsdp2 else 0)
     assert reading["sent_bytes_max"] == (8 if sharded else 4) * params
     assert reading["rss_mb_max"] > 0
+
+
+def test_full_run_keeps_every_arm_the_docs_read():
+    bench = Memory()
+    opts = _opts()
+    arms = {a.name for a in bench.experiment(opts).arms}
+    assert arms == {f"{a}_p{n}" for a in ("plain", "sharded", "fsdp2") for n in (2, 4)}
+    assert opts.repeats >= harness.MIN_LAUNCHES

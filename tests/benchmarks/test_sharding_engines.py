@@ -17,9 +17,10 @@ from benchmarks import harness
 from benchmarks.harness import workloads as _workloads
 from benchmarks.harness.cli import parser, resolve
 from benchmarks.harness.writers import write_json
-from benchmarks.sharding_engines.driver import ShardingEngines, arm_name, parity, reading_of, ring_bytes
-from benchmarks.sharding_engines.worker import fsdp_bytes, make_optimizer, padded_shard_bytes, train
+from benchmarks.sharding_engines.common import fsdp_bytes, make_optimizer, padded_shard_bytes, reading_of, ring_bytes
+from benchmarks.sharding_engines.driver import ShardingEngines, arm_name, parity
 from benchmarks.sharding_engines.worker import main as worker_main
+from benchmarks.sharding_engines.worker import train
 from ds_lightning.testing import free_port
 
 HIDDEN = [16]
@@ -170,3 +171,10 @@ def test_render_judges_both_engines_against_ddp(tmp_path: Path):
     assert "| zero | payload bytes under a ring model, largest rank | 4 | 1.167 | <= 1.10x | **missed** |" in md
     assert "| fsdp | payload bytes under a ring model, largest rank | 4 | 1.000 | <= 1.10x | **met** |" in md
     assert "| fsdp, 2 procs | 4.000 / 4.000 | 105.00 |" in md and "| 2.0e-07 |" in md
+
+
+def test_full_run_keeps_every_arm_the_docs_read():
+    opts = _opts("--model", "gpt")
+    arms = {a.name for a in ShardingEngines().experiment(opts).arms}
+    assert arms == {arm_name(e, n) for e in ("ddp", "zero", "fsdp") for n in (2, 4)}
+    assert opts.repeats >= harness.MIN_LAUNCHES
