@@ -1,29 +1,11 @@
-"""What does ``BackupAndRestore`` cost while training runs, and how fast does a killed run come back?
+"""What does ``BackupAndRestore`` cost while training runs, and how fast does a killed run come back? Parts, arms,
+target and what a full run does: ``README.md``.
 
-Part 1, overhead: ``ds_mirrored`` on 2 CPU processes (gloo, 1 thread each), the digits MLP 64-1024-1024-10 (1.1M
-parameters) and a wide 64-2240-2240-2240-10 MLP on the same data (10.2M parameters), batch 32 per process, SGD with
-momentum; backups every 10 / 50 steps, ``async_save`` off (sync) and on (async), against no backup. Step time is
-rank 0's step end to step end, averaged over the timed steps (``--steps``, or one backup period if longer; the mean,
-not the median: the median would skip the steps that back up), so whatever a backup blocks is in it wherever the
-callback runs. Target (issue 14): backups every
-50 steps with ``async_save`` cost at most 5% of step time.
-
-Part 2, recovery: under ``ds_mirrored``, ``ds_pipeline`` and ``ds_parameter_server`` (``max_staleness=0``, 1 server),
-the 1.1M MLP with a backup every ``--recovery-every`` steps; rank 0 kills its whole process group with SIGKILL at a
-step drawn per repeat between two backups (under ``--rank-kill`` strategies also: rank 1 kills only itself, and rank 0
-must notice), and the same command runs again. Part 3, the same in the network-namespace cluster (as root), one task
-per host started by TF_CONFIG alone (``netns_recovery.py``): every process of one host SIGKILLed (``Cluster.kill``) once
-rank 0 has done the step, then every task started again; the host lost is ``ds_mirrored``'s second worker,
-``ds_pipeline``'s second stage, and ``ds_parameter_server``'s server (a chief and a worker on two other hosts).
-Recovery time is from the kill to the end of the first new training step; steps lost are the steps done before the
-kill that the new run does again.
-
-    python -m benchmarks.faults.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]] [--parts overhead recovery]
+    python -m benchmarks.faults.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]]
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import os
 import platform
@@ -39,32 +21,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import harness
 from benchmarks.faults import netns_recovery as cluster_recovery
 from benchmarks.faults.netns_recovery import read_lines
-from benchmarks.faults.report import OVERHEAD_KEYS, RECOVERY_KEYS, TARGET, TARGET_EVERY, plot, report
-from benchmarks.harness import Arm, Experiment
+from benchmarks.harness import Arm, Experiment, Panel, fmt
 from ds_lightning.testing import netns
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 MODELS = {"mlp1m": [1024, 1024], "mlp10m": [2240, 2240, 2240]}
 STRATEGIES = ("ds_mirrored", "ds_pipeline", "ds_parameter_server")
-PARTS = ("overhead", "recovery", "netns")
+RANK_KILL = ("ds_mirrored",)  # also run with rank 1 alone killed
+#: per model, (every, async_save) of each backup arm: the target's async every 50 on both, and sync against async
+#: every 10 on the small one only (the large one's every-10 arms doubled its cost and no target reads them)
+BACKUPS = {"mlp1m": [[10, False], [10, True], [50, True]], "mlp10m": [[50, True]]}
+TARGET, TARGET_EVERY = 1.05, 50  # issue 14: async backups every 50 steps cost at most 5% of step time
+OVERHEAD_KEYS = ["mean_step_ms", "median_step_ms", "max_step_ms", "mean_over_median", "save_ms", "write_ms"]
+RECOVERY_KEYS = ["recovery_s", "detect_s", "relaunch_s", "imports_s", "startup_s", "restore_s", "first_step_s"]
+RECOVERY_KEYS += ["kill_step", "resumed_step", "steps_lost", "since_backup"]
 
 
 def overhead_arm(model: str, every: int | None, async_save: bool = True) -> str:
-    """An overhead arm's name: ``mlp1m_none``, ``mlp1m_sync50``, ``mlp10m_async10``."""
+    """``mlp1m_none``, ``mlp1m_sync50``, ``mlp10m_async10``."""
     return f"{model}_none" if every is None else f"{model}_{'async' if async_save else 'sync'}{every}"
 
 
 def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, Any]:
-    """Recovery figures from rank 0's stamps over a killed launch and its re-run (see ``faults/worker.py``).
+    """Recovery figures from rank 0's stamps over a killed launch and its re-run (``worker.py``).
 
-    Returns:
-        ``recovery_s`` (kill to the end of the first new step) split into ``relaunch_s`` (kill to the new process's
-        start; it holds ``detect_s``, the kill to rank 0's failure, when only another rank was killed),
-        ``imports_s`` (torch, Lightning, ds_lightning), ``startup_s`` (the other ranks' launch, their imports and
-        the rendezvous: to the ``setup`` hook), ``restore_s`` (to ``on_train_start``: the backup read and put back,
-        with the strategy's model and optimizer set-up) and ``first_step_s``; the step killed at, the step resumed
-        from, ``steps_lost`` (done twice) and ``since_backup`` (steps since the last multiple of ``every``, what an
-        instant, complete backup would lose).
+    ``recovery_s`` (kill to the end of the first new step) splits into ``relaunch_s`` (holding ``detect_s``, the
+    kill to rank 0's failure, when another rank was killed), ``imports_s``, ``startup_s`` (to ``setup``),
+    ``restore_s`` (to ``on_train_start``) and ``first_step_s``; ``steps_lost`` are done twice, ``since_backup`` is
+    what an instant backup would lose.
 
     Raises:
         ValueError: the stamps hold no kill, or no step after it.
@@ -73,17 +57,15 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
     kill = next((s for s in stamps if s["event"] == "kill"), None)
     if kill is None:
         raise ValueError("no kill in the stamps: the first launch ended on its own (is kill_at past max_steps?)")
-    # The survivors of a one-rank kill may stamp a failure (or even a step) after it; the re-run is the first new
-    # process to start after the kill, and its own events.
+    # Survivors of a one-rank kill may stamp a failure or a step after it: the re-run is the first process started
+    # after the kill, and only its events count.
     failed = next((s for s in stamps if s["event"] == "failed" and s["t"] >= kill["t"]), None)
     start = next((s for s in stamps if s["event"] == "process_start" and s["t_process"] > kill["t"]), None)
     after = [s for s in stamps if start is not None and s["pid"] == start["pid"] and s["t"] >= start["t"]]
-    fit = next((s for s in after if s["event"] == "setup"), None)
-    train = next((s for s in after if s["event"] == "train_start"), None)
-    step = next((s for s in after if s["event"] == "step"), None)
+    fit, train, step = (next((s for s in after if s["event"] == e), None) for e in ("setup", "train_start", "step"))
     if start is None or fit is None or train is None or step is None:
         raise ValueError(f"the re-run after the kill at step {kill['step']} never reached a training step")
-    # The last step the killed run completed (a survivor may finish the step the kill interrupted elsewhere).
+    # A survivor may finish the step the kill interrupted elsewhere: that step is done twice too.
     done = max([kill["step"]] + [s["step"] for s in stamps if s["event"] == "step" and s["t"] < start["t_process"]])
     return {
         "recovery_s": step["t"] - kill["t"],
@@ -100,134 +82,86 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
     }
 
 
+def bounds(arm: dict[str, Any], base: dict[str, Any], every: int, async_save: bool) -> list[float] | None:
+    """The overhead the measured waits imply, ``[low, high]``: 1 + wait / (period x usual step), and for async up to
+    1 + (wait + write) / (the same), if the writing thread took all its time from training."""
+    if not arm.get("save_ms") or not base.get("median_step_ms"):
+        return None
+    period_ms = every * base["median_step_ms"]["median"]
+    low = 1 + arm["save_ms"]["median"] / period_ms
+    write = arm["write_ms"]["median"] if async_save and arm.get("write_ms") else 0.0
+    return [low, low + write / period_ms]
+
+
 class Faults(harness.Benchmark):
     name = "faults"
     description = __doc__
-    defaults = {
-        "repeats": 3,  # a verdict rests on 3 launches per arm; about 20 minutes on a quiet 2-core machine
-        "steps": 100,
-        "warmup": 10,
-        "every": [10, 50],
-        "recovery_every": 20,
-        "recovery_steps": 80,
-    }
-    quick = {"repeats": 1, "steps": 20, "warmup": 2, "every": [10], "recovery_every": 5, "recovery_steps": 20}
+    defaults = {"repeats": 3, "steps": 50, "warmup": 5, "recovery_every": 20, "recovery_steps": 80}
+    quick = {"repeats": 1, "steps": 20, "warmup": 2, "recovery_every": 5, "recovery_steps": 20}
 
-    def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(
-            "--parts",
-            nargs="+",
-            default=list(PARTS),
-            choices=list(PARTS),
-            help="overhead, recovery on loopback, recovery in the network-namespace cluster (as root; all three)",
-        )
-        parser.add_argument(
-            "--steps",
-            type=int,
-            default=None,
-            help="timed steps per overhead run, at least one backup period (100; 20 quick)",
-        )
-        parser.add_argument("--warmup", type=int, default=None, help="steps left out before them (10; 2 quick)")
-        parser.add_argument("--every", type=int, nargs="+", default=None, help="backup periods (10 50; 10 quick)")
-        parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-        parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
-        parser.add_argument(
-            "--rank-kill",
-            nargs="*",
-            default=["ds_mirrored"],
-            choices=list(STRATEGIES),
-            help="strategies also run with only rank 1 killed (ds_mirrored)",
-        )
-        parser.add_argument("--recovery-every", type=int, default=None, help="backup period in part 2 (20; 5 quick)")
-        parser.add_argument("--recovery-steps", type=int, default=None, help="max_steps in part 2 (80; 20 quick)")
-        parser.add_argument("--batch-size", type=int, default=32, help="batch per process (32)")
-        parser.add_argument("--backup-root", default=None, help="where backup folders go (default: the temp folder)")
-        parser.add_argument("--timeout", type=float, default=600.0, help="seconds one launch may take (600)")
-        parser.add_argument("--dist-timeout", type=float, default=120.0, help="seconds per collective (120)")
+    def meta(self, opts: Any) -> dict[str, Any]:
+        opts.batch_size, opts.timeout, opts.dist_timeout = 32, 600.0, 120.0
+        opts.backups = {m: [[10, True]] for m in MODELS} if opts.quick else BACKUPS
+        machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()}
+        return {"machine": machine, "backup_root": tempfile.gettempdir(), "loadavg_start": os.getloadavg()}
 
-    def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
-        root = opts.backup_root or tempfile.gettempdir()
-        return {
-            "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
-            "backup_root": root,
-            "loadavg_start": os.getloadavg(),
-        }
-
-    def experiment(self, opts: argparse.Namespace) -> Experiment:
+    def experiment(self, opts: Any) -> Experiment:
         arms = []
-        if "overhead" in opts.parts:
-            for model in opts.models:
-                arms.append(Arm(overhead_arm(model, None), {"part": "overhead", "model": model, "backup": None}))
-                for every in opts.every:
-                    for async_save in (False, True):
-                        backup = {"every": every, "async": async_save}
-                        arms.append(
-                            Arm(
-                                overhead_arm(model, every, async_save),
-                                {"part": "overhead", "model": model, "backup": backup},
-                            )
-                        )
-        if "recovery" in opts.parts:
-            for s in opts.strategies:
-                arms.append(Arm(f"recover_{s}", {"part": "recovery", "strategy": s, "kill_rank": None}, s))
-                if s in opts.rank_kill:
-                    params = {"part": "recovery", "strategy": s, "kill_rank": 1}
-                    arms.append(Arm(f"recover_{s}_rank1", params, f"{s}, rank 1 only"))
-        if "netns" in opts.parts:
-            for s in opts.strategies:
-                params = {"part": "recovery", "strategy": s, "netns": True}
-                arms.append(Arm(f"recover_{s}_netns", params, cluster_recovery.LAYOUTS[s].label))
+        for model in MODELS:
+            for backup in [None, *({"every": e, "async": a} for e, a in opts.backups[model])]:
+                name = overhead_arm(model, backup and backup["every"], backup is None or backup["async"])
+                arms.append(Arm(name, {"part": "overhead", "model": model, "backup": backup}))
+        for s in STRATEGIES:
+            arms.append(Arm(f"recover_{s}", {"part": "recovery", "strategy": s, "kill_rank": None}, s))
+            if s in RANK_KILL:
+                rank1 = {"part": "recovery", "strategy": s, "kill_rank": 1}
+                arms.append(Arm(f"recover_{s}_rank1", rank1, f"{s}, rank 1 only"))
+        for s in STRATEGIES:
+            host_lost = {"part": "recovery", "strategy": s, "netns": True}
+            arms.append(Arm(f"recover_{s}_netns", host_lost, cluster_recovery.LAYOUTS[s].label))
         return Experiment(arms, opts.repeats)
 
-    def _spec(self, opts: argparse.Namespace, **kw: Any) -> dict[str, Any]:
-        return {"batch_size": opts.batch_size, "seed": 0, "dist_timeout": opts.dist_timeout, **kw}
-
-    def run(self, arm: Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory(prefix="ds-faults-", dir=opts.backup_root) as tmp:
+    def run(self, arm: Arm, repeat: int, opts: Any) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory(prefix="ds-faults-") as tmp:
+            spec = {"batch_size": opts.batch_size, "seed": 0, "dist_timeout": opts.dist_timeout, "backup_dir": tmp}
             if arm.params["part"] == "overhead":
-                return self._overhead(arm, opts, tmp)
-            if arm.params.get("netns"):
-                return self._recovery_netns(arm, repeat, opts, tmp)
-            return self._recovery(arm, repeat, opts, tmp)
+                return self._overhead(arm, opts, spec)
+            return self._recovery(arm, repeat, opts, spec, tmp)
 
-    def _overhead(self, arm: Arm, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
-        spec = self._spec(
-            opts,
-            strategy="ds_mirrored",
-            hidden=MODELS[arm.params["model"]],
-            max_steps=opts.warmup + _timed_steps(opts.steps, arm.params["backup"]) + 1,  # intervals + 1 step ends
-            warmup=opts.warmup,
-            backup=arm.params["backup"],
-            backup_dir=tmp,
-        )
+    def _overhead(self, arm: Arm, opts: Any, spec: dict[str, Any]) -> dict[str, Any]:
+        backup = arm.params["backup"]
+        timed = max(opts.steps, backup["every"]) if backup else opts.steps  # at least one whole backup period
+        spec.update(strategy="ds_mirrored", hidden=MODELS[arm.params["model"]], warmup=opts.warmup, backup=backup)
+        spec["max_steps"] = opts.warmup + timed + 1  # intervals between step ends: one step more
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1))
         r = found["result"]
         return {
             "rc": found["rc"],
             "params": r["params"],
             "backups": len(r["backups"]),
-            # Within one run, the backups lift the mean over the median (the usual step): a figure that load drifting
-            # between runs does not move, unlike the run-to-run ratio.
+            # Within one run the backups lift the mean over the median (the usual step): load that drifts between
+            # runs moves this less than the run-to-run ratio.
             "mean_over_median": r["mean_step_ms"] / r["median_step_ms"],
             **{k: r.get(k) for k in ("mean_step_ms", "median_step_ms", "max_step_ms", "save_ms", "write_ms")},
         }
 
-    def _recovery(self, arm: Arm, repeat: int, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
+    def _recovery(self, arm: Arm, repeat: int, opts: Any, spec: dict[str, Any], tmp: str) -> dict[str, Any]:
         every = opts.recovery_every
-        kill_at = self._kill_at(repeat, opts)
+        kill_at = random.Random(repeat).randint(2 * every + 1, 3 * every - 1)  # between the 2nd and 3rd backup
+        if kill_at >= opts.recovery_steps:
+            raise harness.Failed(f"kill step {kill_at} >= recovery_steps {opts.recovery_steps}")
         stamp_dir = Path(tmp, "stamps")
         stamp_dir.mkdir()
-        spec = self._spec(
-            opts,
-            strategy=arm.params["strategy"],
-            hidden=MODELS["mlp1m"],
-            max_steps=opts.recovery_steps,
-            backup={"every": every, "async": True},
-            backup_dir=str(Path(tmp, "backups")),
-            stamp_dir=str(stamp_dir),
-            kill_at=kill_at,
-            kill_rank=arm.params["kill_rank"],
-        )
+        spec.update(strategy=arm.params["strategy"], hidden=MODELS["mlp1m"], max_steps=opts.recovery_steps)
+        spec.update(backup={"every": every, "async": True}, backup_dir=f"{tmp}/backups", stamp_dir=str(stamp_dir))
+        if arm.params.get("netns"):
+            if self._cluster is None:
+                raise harness.Failed(f"no network-namespace cluster: {self._netns_missing}")
+            layout = cluster_recovery.LAYOUTS[arm.params["strategy"]]
+            spec["devices"] = 1  # one task per host: TF_CONFIG gives the rest
+            found = cluster_recovery.recover(self._cluster, layout, WORKER, spec, tmp, kill_at, opts.timeout)
+            return {**found, **recovery_reading(read_lines(stamp_dir / "stamps.jsonl"), every)}
+        spec.update(kill_at=kill_at, kill_rank=arm.params["kill_rank"])
         env = harness.worker_env(1)
         try:
             harness.launch(WORKER, spec, opts.timeout, env)
@@ -239,11 +173,10 @@ class Faults(harness.Benchmark):
             raise harness.Failed(f"the first launch was not killed, or survived the kill (kill_at={kill_at})")
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, env)
         stamps = read_lines(stamp_dir / "stamps.jsonl")
-        r = found["result"]
         return {
             "rc": found["rc"],
             "first_rc": first_rc,
-            "last_step": r["last_step"],
+            "last_step": found["result"]["last_step"],
             **recovery_reading(stamps, every),
         }
 
@@ -252,39 +185,11 @@ class Faults(harness.Benchmark):
             return f"recovered in {record['recovery_s']:.1f} s, {record['steps_lost']} steps lost"
         return f"{record['mean_step_ms']:.2f} ms/step (mean)"
 
-    def _kill_at(self, repeat: int, opts: argparse.Namespace) -> int:
-        every = opts.recovery_every
-        # Between the second and third backup, drawn per repeat (the same draw for every strategy).
-        kill_at = random.Random(repeat).randint(2 * every + 1, 3 * every - 1)
-        if kill_at >= opts.recovery_steps:
-            raise harness.Failed(f"kill step {kill_at} >= --recovery-steps {opts.recovery_steps}: raise it")
-        return kill_at
-
-    def _recovery_netns(self, arm: Arm, repeat: int, opts: argparse.Namespace, tmp: str) -> dict[str, Any]:
-        if self._cluster is None:
-            raise harness.Failed(f"no network-namespace cluster: {self._netns_missing}")
-        kill_at = self._kill_at(repeat, opts)
-        stamp_dir = Path(tmp, "stamps")
-        stamp_dir.mkdir()
-        spec = self._spec(
-            opts,
-            strategy=arm.params["strategy"],
-            hidden=MODELS["mlp1m"],
-            max_steps=opts.recovery_steps,
-            backup={"every": opts.recovery_every, "async": True},
-            backup_dir=str(Path(tmp, "backups")),
-            stamp_dir=str(stamp_dir),
-            devices=1,
-        )
-        layout = cluster_recovery.LAYOUTS[arm.params["strategy"]]
-        found = cluster_recovery.recover(self._cluster, layout, WORKER, spec, tmp, kill_at, opts.timeout)
-        return {**found, **recovery_reading(read_lines(stamp_dir / "stamps.jsonl"), opts.recovery_every)}
-
-    def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
+    def collect(self, opts: Any) -> dict[str, Any]:
         self._cluster: netns.Cluster | None = None
-        self._netns_missing = netns.missing_requirements() if "netns" in opts.parts else None
+        self._netns_missing = netns.missing_requirements()
         with contextlib.ExitStack() as stack:
-            if "netns" in opts.parts and self._netns_missing is None:
+            if self._netns_missing is None:
                 self._cluster = stack.enter_context(netns.Cluster(cluster_recovery.HOSTS))
             data = super().collect(opts)
         data["loadavg_end"] = os.getloadavg()
@@ -294,35 +199,23 @@ class Faults(harness.Benchmark):
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
         records, params = data["records"], data["arm_params"]
         over = [a for a in data["arms"] if params[a]["part"] == "overhead"]
-        rec = [a for a in data["arms"] if params[a]["part"] == "recovery"]
         s = harness.summarise(records, over, OVERHEAD_KEYS)
         for arm in over:
             p = params[arm]
-            if p["backup"] is None:
-                continue
-            base, every = overhead_arm(p["model"], None), p["backup"]["every"]
-            s[arm]["overhead_ratio"] = harness.paired(records, arm, base, "mean_step_ms")
-            s[arm]["inrun_ratio"] = harness.paired(records, arm, base, "mean_over_median")
-            s[arm]["bounds"] = _bounds(s[arm], s.get(base, {}), every, p["backup"]["async"])
-            # What one backup adds to the run, amortised over its period.
-            s[arm]["per_backup_ms"] = harness.paired(
-                records, arm, base, "mean_step_ms", op=lambda a, b, n=every: (a - b) * n
-            )
-        s.update(harness.summarise(records, rec, RECOVERY_KEYS))
+            if p["backup"] is not None:
+                base, every = overhead_arm(p["model"], None), p["backup"]["every"]
+                s[arm]["overhead_ratio"] = harness.paired(records, arm, base, "mean_step_ms")
+                s[arm]["inrun_ratio"] = harness.paired(records, arm, base, "mean_over_median")
+                s[arm]["bounds"] = bounds(s[arm], s.get(base, {}), every, p["backup"]["async"])
+                per_backup = harness.paired(records, arm, base, "mean_step_ms", op=lambda a, b, n=every: (a - b) * n)
+                s[arm]["per_backup_ms"] = per_backup  # what one backup adds to the run, amortised over its period
+        s.update(harness.summarise(records, [a for a in data["arms"] if a not in over], RECOVERY_KEYS))
         target = {}
         for model in {params[a]["model"] for a in over}:
-            arm = overhead_arm(model, TARGET_EVERY, True)
-            ratio = s.get(arm, {}).get("overhead_ratio")
-            inrun = s.get(arm, {}).get("inrun_ratio")
-            target[model] = {
-                "ratio": ratio,
-                "met": harness.is_met(ratio, at_most=TARGET),
-                "verdict": harness.verdict(ratio, at_most=TARGET),
-                "inrun_ratio": inrun,
-                "inrun_met": harness.is_met(inrun, at_most=TARGET),
-                "inrun_verdict": harness.verdict(inrun, at_most=TARGET),
-                "bounds": s.get(arm, {}).get("bounds"),
-            }
+            v = s.get(overhead_arm(model, TARGET_EVERY, True), {})
+            ratio, inrun = v.get("overhead_ratio"), v.get("inrun_ratio")
+            target[model] = {"ratio": ratio, "met": harness.is_met(ratio, at_most=TARGET), "inrun_ratio": inrun}
+            target[model].update(inrun_met=harness.is_met(inrun, at_most=TARGET), bounds=v.get("bounds"))
         verdicts = [
             harness.judged(
                 f"{what}, async backups every {TARGET_EVERY} steps, {model}", t[key], at_most=TARGET, unit="x"
@@ -332,30 +225,92 @@ class Faults(harness.Benchmark):
         ]
         return {"arms": s, "target": target, "verdicts": verdicts}
 
-    def file_stem(self, settings: dict[str, Any]) -> str:
-        # The overhead part re-run on its own keeps the full run's files.
-        return f"{self.name}_overhead" if settings.get("parts") == ["overhead"] else super().file_stem(settings)
-
     def report(self, data: dict[str, Any]) -> list[str]:
-        return report(data)
+        s, st, params = data["summary"]["arms"], data["settings"], data["arm_params"]
+        load = ["/".join(f"{x:.1f}" for x in data[k]) if data.get(k) else "?" for k in ("loadavg_start", "loadavg_end")]
+        out = [
+            f"Commit {data['package']['commit'][:10]}; {data.get('machine', {}).get('cores')} cores, load average"
+            f" {load[0]} at the start and {load[1]} at the end (the"
+            " machine is shared: other jobs ran beside this one, so single runs are noisy; read the medians and the"
+            f" per-repeat spread). {st['repeats']} interleaved repeat(s); median [min - max] over repeats.",
+        ]
+        over = [a for a in data["arms"] if params[a]["part"] == "overhead"]
+        rows = []
+        for arm in over:
+            p, v, b = params[arm], s[arm], params[arm]["backup"]
+            n = next((r["params"] for r in harness.ok(data["records"], arm)), None)
+            save = "none" if b is None else ("async" if b["async"] else "sync")
+            figures = [fmt(v.get(k), f) for k, f in OVERHEAD_FIGURES]
+            model = f"{p['model']} ({f'{n / 1e6:.1f}M params' if n else '?'})"
+            rows.append(
+                [model, save, "-" if b is None else b["every"], *figures[:3], _bounds(v.get("bounds")), *figures[3:]]
+            )
+        if over:
+            out += [
+                "",
+                f"### Backup overhead (ds_mirrored, 2 processes, batch {st['batch_size']} per process,"
+                f" {st['warmup']} warm-up + {st['steps']} timed steps or one backup period if longer, backups under"
+                f" {data.get('backup_root')})",
+                "",
+                "Step time is the mean from one step's end to the next, so it includes every backup's blocking part."
+                " *vs none*, *in-run*, *per backup*, *loop wait*, *write* and *from timings*: see"
+                " [the README](../faults/README.md).",
+                "",
+                *harness.markdown_table(OVERHEAD_COLUMNS, rows),
+                "",
+            ]
+        for model, t in sorted(data["summary"]["target"].items()):
+            if t["ratio"] is not None:
+                verdict, inrun = (harness.verdict(t.get(k), at_most=TARGET) for k in ("ratio", "inrun_ratio"))
+                out.append(
+                    f"- **Target (async every {TARGET_EVERY} steps <= {TARGET:.2f}x), {model}: {fmt(t['ratio'], '.3f')}"
+                    f" -> {verdict}** (in-run estimate {fmt(t.get('inrun_ratio'), '.3f')}: {inrun}; from timings"
+                    f" {_bounds(t.get('bounds'))})."
+                )
+        rec = [a for a in data["arms"] if params[a]["part"] == "recovery"]
+        if rec:
+            rows = [
+                [data["arms"][a], *(fmt(s[a][k], ".2f" if i < 7 else ".0f") for i, k in enumerate(RECOVERY_KEYS))]
+                for a in rec
+            ]
+            out += [
+                "",
+                f"### Recovery (kill -9 of every process, of rank 1 alone, or of every process on one host of the"
+                " network-namespace cluster, at a step; then the same command again; backups every"
+                f" {st['recovery_every']} steps, async; MLP 64-1024-1024-10, 2 training processes)",
+                "",
+                "Recovery = kill to the end of the first new step = relaunch + imports + start-up + restore + first"
+                " step; what each part holds, the hosts lost and the steps lost:"
+                " see [the README](../faults/README.md).",
+                "",
+                *harness.markdown_table(RECOVERY_COLUMNS, rows),
+            ]
+        failed = [f"{a}: {e}" for a, v in s.items() for e in v["errors"]]
+        return out + (["", "Failed runs:", *(f"- {f}" for f in failed)] if failed else [])
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        return plot(data, out, self.file_stem(data["settings"]))
+        panels = [
+            Panel("overhead_ratio", "mean step / no backup's (same repeat)"),
+            Panel("inrun_ratio", "in-run: (mean/median) / no backup's"),
+            Panel("recovery_s", "seconds from kill -9 to the first new step"),
+        ]
+        title = f"BackupAndRestore: overhead (target {TARGET:.2f}x at every {TARGET_EVERY}) and recovery"
+        harness.bar_panels(out / f"{self.name}.png", data["summary"]["arms"], panels, title)
+        return [out / f"{self.name}.png"]
 
 
-def _timed_steps(steps: int, backup: dict[str, Any] | None) -> int:
-    """Timed steps of an overhead run: ``steps``, or one whole backup period when that is longer."""
-    return max(steps, backup["every"]) if backup else steps
+OVERHEAD_COLUMNS = ["model", "save", "every", "mean step (ms)", "vs none", "in-run", "from timings", "per backup (ms)"]
+OVERHEAD_COLUMNS += ["loop wait (ms)", "write (ms)", "median step (ms)", "longest step (ms)"]
+#: the overhead table's figures, in column order (the "from timings" bounds go after the first three)
+OVERHEAD_FIGURES = [("mean_step_ms", ".2f"), ("overhead_ratio", ".3f"), ("inrun_ratio", ".3f")]
+OVERHEAD_FIGURES += [("per_backup_ms", ".0f"), ("save_ms", ".0f"), ("write_ms", ".0f"), ("median_step_ms", ".2f")]
+OVERHEAD_FIGURES += [("max_step_ms", ".0f")]
+RECOVERY_COLUMNS = ["strategy", "recovery (s)", "detect (s)", "relaunch (s)", "imports (s)", "start-up (s)"]
+RECOVERY_COLUMNS += ["restore (s)", "first step (s)", "killed at", "resumed from", "steps lost", "since backup"]
 
 
-def _bounds(arm: dict[str, Any], base: dict[str, Any], every: int, async_save: bool) -> list[float] | None:
-    """The overhead ratio implied by the measured waits: ``[low, high]`` (see the report's *from timings*)."""
-    if not arm.get("save_ms") or not base.get("median_step_ms"):
-        return None
-    period_ms = every * base["median_step_ms"]["median"]
-    low = 1 + arm["save_ms"]["median"] / period_ms
-    write = arm["write_ms"]["median"] if async_save and arm.get("write_ms") else 0.0
-    return [low, low + write / period_ms]
+def _bounds(b: Sequence[float] | None) -> str:
+    return "-" if not b else f"{b[0]:.3f}" if b[1] == b[0] else f"{b[0]:.3f} - {b[1]:.3f}"
 
 
 if __name__ == "__main__":

@@ -1,9 +1,6 @@
-"""The faults benchmark's part 3: recovery in the network-namespace cluster, one task per host started by TF_CONFIG.
-
-Every process of one host is SIGKILLed (``Cluster.kill``: the machine lost power, its link stays up) once rank 0 has
-done the kill step, then every task is started again with the same command, as an operator (or a job scheduler)
-would. Which host goes depends on the strategy: ``ds_mirrored``'s second worker, ``ds_pipeline``'s second stage, and
-``ds_parameter_server``'s server (a chief and a worker train; the lost server is what ends that run).
+"""The faults benchmark's recovery in the network-namespace cluster: one TF_CONFIG task per host; every process of
+one host SIGKILLed (``Cluster.kill``) once rank 0 has done the kill step, then every task started again (see
+``README.md``).
 """
 
 from __future__ import annotations
@@ -78,11 +75,7 @@ def _launch(
     timeout: float,
 ) -> list[int | None]:
     """Every task of ``layout``, servers first; with ``kill_at``, the victim host killed once rank 0 did that step.
-
-    Returns:
-        The exit codes, rank 0's (the first ``chief`` or ``worker`` task) first.
-
-    """
+    Returns the exit codes, rank 0's (the first ``chief`` or ``worker`` task) first."""
     out.mkdir()
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps({**spec, "out_dir": str(out)}))

@@ -1,12 +1,8 @@
 """One fault-benchmark run: the digits MLP on 2 CPU processes with (or without) ``BackupAndRestore``.
 
-Started by ``driver.py`` with a JSON spec. Rank 0 appends one JSON line per event to
-``<stamp_dir>/stamps.jsonl`` (wall-clock ``time.time()``, so two launches line up): when its process started, when
-``setup`` ran and training started (and at which step: a restored run starts past 0), every step's end, and a failure
-it met. With ``kill_at``, rank 0 kills its whole process group with SIGKILL (every rank, and the parameter servers,
-which the chief starts in its group) at the end of that step; with ``kill_rank``, that rank kills only itself. A
-``killed`` marker stops a later launch from killing again: the re-run is the same command. A run that ends writes
-``result.json`` into ``out_dir``.
+Rank 0 appends its events (wall clock, so two launches line up) to ``<stamp_dir>/stamps.jsonl``; with ``kill_at`` it
+SIGKILLs its process group (or, with ``kill_rank``, that rank itself) once, at the end of that step; a run that ends
+writes ``result.json``. See ``README.md``.
 """
 
 from __future__ import annotations
@@ -40,22 +36,15 @@ IMPORTED = time.time()
 
 
 class Stamps(Callback):
-    """Rank 0's clock: every step's end (``perf_counter``, for step intervals), and events as JSON lines.
-
-    Args:
-        stamp_dir: where ``stamps.jsonl`` goes; ``None`` for no file and no kill.
-        kill_at: the step at whose end to kill (once: the ``killed`` marker).
-        kill_rank: ``None`` to kill every process (rank 0 kills its process group), or the one rank that kills
-            itself (the others meet its absence in their next collective).
-
-    """
+    """Every step's end (``perf_counter``), and rank 0's events as JSON lines into ``stamp_dir`` (``None``: no file, no
+    kill). At the end of step ``kill_at`` (once: the ``killed`` marker) rank 0 kills its process group, or rank
+    ``kill_rank`` only itself (the others meet its absence in their next collective)."""
 
     def __init__(self, stamp_dir: str | None, kill_at: int | None, kill_rank: int | None = None) -> None:
         self.path = Path(stamp_dir, "stamps.jsonl") if stamp_dir else None
         self.kill_at = kill_at
         self.kill_rank = kill_rank
         self.ends: list[float] = []
-        self.first_step: int | None = None
 
     def _note(self, trainer: pl.Trainer, event: str, any_rank: bool = False, **extra: Any) -> None:
         if self.path is None or (trainer.global_rank != 0 and not any_rank):
@@ -70,7 +59,6 @@ class Stamps(Callback):
         self._note(trainer, "setup")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.first_step = trainer.global_step
         self._note(trainer, "train_start")
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -94,8 +82,9 @@ class Stamps(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _timed(fn: Any, into: list[float]) -> Any:
-    """``fn``, with each call's duration (ms) appended to ``into``."""
+def _timed(owner: Any, name: str, into: list[float]) -> None:
+    """Wrap ``owner.<name>`` so each call's duration (ms) goes into ``into``."""
+    fn = getattr(owner, name)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -104,50 +93,40 @@ def _timed(fn: Any, into: list[float]) -> Any:
         finally:
             into.append(1000 * (time.perf_counter() - start))
 
-    return wrapper
+    setattr(owner, name, wrapper)
 
 
-def _instrument(callback: Any) -> dict[str, list[float]]:
-    """Time BackupAndRestore's save on the loop, and its file write (in the thread when async), by wrapping them."""
-    times: dict[str, list[float]] = {"save_ms": [], "write_ms": []}
-    callback.save = _timed(callback.save, times["save_ms"])
-    store = getattr(callback, "_store", None)  # instrumentation only: the file write lives in the store
-    if store is not None:
-        store.write = _timed(store.write, times["write_ms"])
-    return times
-
-
-def _strategy(spec: dict[str, Any]) -> Any:
-    timeout = spec["dist_timeout"]
-    if spec["strategy"] == "ds_mirrored":
-        return ds_lightning.MirroredStrategy(timeout=timeout)
-    if spec["strategy"] == "ds_pipeline":
-        return ds_lightning.PipelineStrategy(n_microbatches=2, timeout=timeout)
-    if spec["strategy"] == "ds_parameter_server":
-        return ds_lightning.ParameterServerStrategy(max_staleness=0, num_servers=1, timeout=timeout)
-    raise ValueError(f"strategy={spec['strategy']!r}: choose ds_mirrored, ds_pipeline or ds_parameter_server")
+STRATEGIES = {
+    "ds_mirrored": lambda timeout: ds_lightning.MirroredStrategy(timeout=timeout),
+    "ds_pipeline": lambda timeout: ds_lightning.PipelineStrategy(n_microbatches=2, timeout=timeout),
+    "ds_parameter_server": lambda timeout: ds_lightning.ParameterServerStrategy(
+        max_staleness=0, num_servers=1, timeout=timeout
+    ),
+}
 
 
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(1)
     pl.seed_everything(spec["seed"], verbose=False)
-    callbacks: list[Callback] = []
     stamps = Stamps(spec.get("stamp_dir"), spec.get("kill_at"), spec.get("kill_rank"))
-    callbacks.append(stamps)
+    callbacks: list[Callback] = [stamps]
     times: dict[str, list[float]] = {}
     backup = spec.get("backup")
     if backup:
         kwargs = {"every_n_train_steps": backup["every"], "keep": 2, "async_save": backup["async"]}
         callbacks.append(BackupAndRestore(spec["backup_dir"], **kwargs))
-        times = _instrument(callbacks[-1])
+        # Rank 0's wait in save (on the loop), and its file write (in a thread when async), which lives in the store.
+        times = {"save_ms": [], "write_ms": []}
+        _timed(callbacks[-1], "save", times["save_ms"])
+        _timed(callbacks[-1]._store, "write", times["write_ms"])
     data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
     data.setup("fit")
     assert data.train_set is not None
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=spec.get("devices", 2),  # 1 per task in the namespace cluster, where TF_CONFIG gives the rest
-        strategy=_strategy(spec),
+        strategy=STRATEGIES[spec["strategy"]](spec["dist_timeout"]),
         max_steps=spec["max_steps"],
         callbacks=callbacks,
     )
@@ -160,25 +139,16 @@ def main(spec_path: str) -> None:
         os._exit(0)
     if trainer.global_rank != 0:
         return
-    ends = stamps.ends
-    intervals = [1000 * (b - a) for a, b in itertools.pairwise(ends)]
-    warmup = spec.get("warmup", 0)
-    timed = intervals[warmup:]
+    # Step end to step end: the backup's blocking part is inside, wherever the callback runs it.
+    timed = [1000 * (b - a) for a, b in itertools.pairwise(stamps.ends)][spec.get("warmup", 0) :]
     record = {
         "params": sum(p.numel() for p in model.parameters()),
-        "first_step": stamps.first_step,
         "last_step": trainer.global_step,
-        "step_ms": intervals,
-        "warmup": warmup,
-        # Step end to step end: the backup's blocking part is inside, wherever the callback runs it.
         "mean_step_ms": statistics.fmean(timed) if timed else None,
         "median_step_ms": statistics.median(timed) if timed else None,
         "max_step_ms": max(timed) if timed else None,
         "backups": sorted(p.name for p in Path(spec["backup_dir"]).glob("*.ckpt")) if backup else [],
-        # Rank 0's time in BackupAndRestore.save (what the loop waits for) and in writing each file.
         **{k: statistics.median(v) if v else None for k, v in times.items()},
-        **{f"{k}_all": v for k, v in times.items()},
-        "backups_taken": getattr(callbacks[-1], "backups_taken", None) if backup else 0,
     }
     Path(spec["out_dir"], "result.json").write_text(json.dumps(record))
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from benchmarks import harness
-from benchmarks.faults.driver import Faults, overhead_arm, recovery_reading
+from benchmarks.faults.driver import STRATEGIES, Faults, overhead_arm, recovery_reading
+from benchmarks.harness.cli import parser, resolve
 
 
 def _stamps() -> list[dict[str, Any]]:
@@ -134,3 +135,14 @@ def test_overhead_arm_names():
     assert overhead_arm("mlp10m", None) == "mlp10m_none"
     assert overhead_arm("mlp10m", 200, async_save=False) == "mlp10m_sync200"
     assert overhead_arm("mlp1m", 10) == "mlp1m_async10"
+
+
+def test_full_run_keeps_every_arm_the_docs_and_the_target_read():
+    bench = Faults()
+    opts = resolve(bench, parser(bench).parse_args(["--out", "unused"]))
+    bench.meta(opts)
+    arms = {a.name for a in bench.experiment(opts).arms}
+    assert {"mlp1m_none", "mlp1m_async50", "mlp10m_none", "mlp10m_async50"} <= arms  # the target, both models
+    assert {"mlp1m_sync10", "mlp1m_async10"} <= arms  # sync against async
+    assert {f"recover_{s}{k}" for s in STRATEGIES for k in ("", "_netns")} | {"recover_ds_mirrored_rank1"} <= arms
+    assert opts.repeats >= harness.MIN_LAUNCHES
