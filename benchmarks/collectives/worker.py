@@ -1,19 +1,6 @@
-"""One collectives run: N CPU processes on gloo time four collectives on one tensor size, interleaved.
-
-Started by ``driver.py`` with a JSON spec (``procs``, ``numel``, ``iters``, ``warmup``, ``timeout``).
-``torch.multiprocessing`` starts the ranks (gloo over loopback, 1 thread each; the launch's environment names a free
-port). Every rank first checks that each collective computes what it should, then runs ``warmup + iters`` rounds;
-a round times every op once, in an order that varies by round (``harness.round_order``), each call after a barrier:
-
-- ``all_reduce``: ``dist.all_reduce`` of the whole fp32 tensor (what DDP does with the gradients);
-- ``reduce_scatter``: ``dist.reduce_scatter_tensor`` of the whole tensor into this rank's 1/N shard;
-- ``all_gather``: ``dist.all_gather_into_tensor`` of the 1/N shard into the whole tensor;
-- ``rs_ag``: the two back to back, the pair FSDP2 issues per step (reduce-scatter of the gradients in backward,
-  all-gather of the parameters before the next forward).
-
-The size is padded up to a multiple of N, as FSDP2 pads a shard. Rank 0 gathers every rank's times (a collective
-every rank joins) and writes ``result.json``: per op, each timed round's slowest rank (when the collective had
-finished everywhere), in milliseconds.
+"""One collectives run: N gloo processes check, then time ``all_reduce``, ``reduce_scatter``, ``all_gather`` and the
+two back to back (``rs_ag``) on one fp32 tensor, the op order rotating by round (see ``README.md``). Rank 0 writes
+``result.json``: per op, each timed round's slowest rank, in ms.
 """
 
 from __future__ import annotations
@@ -32,8 +19,6 @@ import torch.multiprocessing as mp
 
 from benchmarks.harness.spec import round_order
 
-__all__ = ["OPS", "padded", "rounds", "slowest"]
-
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "rs_ag")
 
 
@@ -43,17 +28,17 @@ def padded(numel: int, world: int) -> int:
 
 
 def rounds(ops: tuple[str, ...], n: int) -> list[list[str]]:
-    """The order of every round (:func:`harness.round_order`): no op always runs first, last or beside the same op."""
+    """Every round's op order (:func:`harness.round_order`): no op always first, last or beside the same op."""
     return [round_order(ops, r) for r in range(n)]
 
 
 def slowest(per_rank: list[dict[str, list[float]]]) -> dict[str, list[float]]:
-    """Per op, each round's largest time over the ranks (the call had finished on every rank by then)."""
+    """Per op, each round's largest time over the ranks (by then the call had finished everywhere)."""
     return {op: [max(ts) for ts in zip(*(r[op] for r in per_rank), strict=True)] for op in per_rank[0]}
 
 
 def _calls(numel: int, world: int) -> tuple[dict[str, Callable[[], None]], Callable[[], None]]:
-    """The four ops on fixed buffers, and what resets the all-reduce's input between calls (it sums in place)."""
+    """The four ops on fixed buffers, and the reset of the all-reduce's input between calls (it sums in place)."""
     whole = torch.ones(numel)
     shard = torch.empty(numel // world)
     gathered = torch.empty(numel)
