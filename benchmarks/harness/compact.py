@@ -1,17 +1,11 @@
-"""Compact results: per-step series summarised into quantiles, and a JSON layout of one line per record.
-
-``python -m benchmarks.harness.compact FILE...`` rewrote the results written before the harness compacted them
-(their summaries, and every figure a summary is computed from, unchanged).
-"""
+"""Compact results: per-step series summarised into quantiles, and a JSON layout of one line per record."""
 
 from __future__ import annotations
 
 import json
 import math
 import statistics
-import sys
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 __all__ = ["dumps", "series"]
@@ -84,32 +78,3 @@ def same_figures(fresh: Any, stored: Any) -> bool:
     if isinstance(stored, float) and isinstance(fresh, float):
         return math.isclose(fresh, stored, rel_tol=10.0 ** (2 - DIGITS))
     return fresh == stored
-
-
-def rewrite(path: Path) -> str:
-    """Compact one results JSON; its summary becomes today's where that has the same figures (the verdicts by today's
-    rule), else the stored one stays (written by older code). What happened, in a line."""
-    import importlib
-
-    stem = max((n for n in BENCHMARKS if path.stem.startswith(n)), key=len)
-    module, cls = BENCHMARKS[stem]
-    bench = getattr(importlib.import_module(f"benchmarks.{module}"), cls)()
-    before = path.stat().st_size
-    data = bench.compact(json.loads(path.read_text()))
-    stored = data.get("summary")
-    fresh = json.loads(json.dumps(bench.summarise(data), default=str))
-    same = same_figures(fresh, stored)
-    data["summary"] = fresh if same else stored
-    path.write_text(dumps(data))
-    kept = "summary re-judged" if same else "summary kept as stored (older code's figures differ)"
-    return f"{path.name}: {before / 1e3:.0f} kB -> {path.stat().st_size / 1e3:.0f} kB, {kept}"
-
-
-def main(argv: list[str]) -> None:
-    """The one-off compaction of existing results files."""
-    for name in argv:
-        print(rewrite(Path(name)), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
