@@ -45,8 +45,8 @@ from benchmarks.cluster.report import (
     WORKERS,
     links_of,
     markdown,
-    notes,
     plot,
+    setup_line,
 )
 from benchmarks.harness import round_order, spread
 from benchmarks.harness import workloads as _workloads
@@ -261,7 +261,6 @@ class Cluster(harness.Benchmark):
             out["auto"] = summarise_auto(comp, raw["compression"], accuracy, data.get("accuracy_auto") or {}, settings)
         if "hierarchical" in parts:
             out["hierarchical"] = summarise_hierarchical(raw["hierarchical"])
-        out["notes"] = notes(self.view({**data, "summary": out}))
         out["verdicts"] = [
             *(
                 harness.judged(
@@ -284,14 +283,8 @@ class Cluster(harness.Benchmark):
         if view["parts"] != ["hierarchical"]:
             lines = markdown(view)
         else:
-            probes = ", ".join(f"{k}: {v:.0f} Mbit/s" for k, v in data["setup"]["probes"].items() if v)
-            lines = [
-                "# Two-level all-reduce in the network-namespace cluster (cluster benchmark, part 4)",
-                "",
-                f"Commit {data['package'].get('commit', '?')}; qdisc {data['setup'].get('qdisc_kind', '?')}; measured"
-                f" TCP throughput host 1 -> host 0: {probes}. {view['repeats']} interleaved repeat(s); median"
-                f" [min - max] over repeats. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine.",
-            ]
+            title = "# Two-level all-reduce in the network-namespace cluster (cluster benchmark, part 4)"
+            lines = [title, "", setup_line(view)]
         if view.get("hierarchical"):
             lines += hierarchical_markdown(view["hierarchical"], data["settings"])
         return lines

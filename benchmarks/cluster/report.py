@@ -1,4 +1,4 @@
-"""The cluster benchmark's constants and its page: tables, notes and chart, all from the flat view of a finished run
+"""The cluster benchmark's constants and its page: tables and chart, all from the flat view of a finished run
 (``Cluster.view``), so ``--render`` needs no cluster. The method is in README.md.
 """
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from benchmarks.harness import Panel, bar_panels, fmt, markdown_table, spread, verdict
+from benchmarks.harness import Panel, bar_panels, fmt, markdown_table
 from benchmarks.harness import workloads as _workloads
 from benchmarks.mirrored.auto import AUTO, CLUSTER_TARGET, choice_text
 
@@ -31,10 +31,17 @@ TARGET_LINK = "100mbit"
 GPT_LINKS = ("1gbit", "100mbit")
 UNEVEN_MBIT = (1000.0, 100.0)  # parts 2 and 3: worker 0's link 10x faster than worker 1's
 MIRRORED, EQUAL, BALANCED = "ds_mirrored", "equal", "balanced"
+README = "../cluster/README.md"  # from a results page
 
 
 def links_of(model: str | None) -> list[dict[str, Any]]:
     return [link for link in LINKS if model != "gpt" or link["key"] in GPT_LINKS]
+
+
+def measured_links(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Part 1's links of a finished run, less those the kernel could not shape."""
+    comp = data.get("compression") or {}
+    return [link for link in LINKS if link["key"] in comp and link["key"] not in data["setup"]["unsupported"]]
 
 
 def title(data: dict[str, Any]) -> str:
@@ -48,102 +55,69 @@ def title(data: dict[str, Any]) -> str:
     return f"# Network-namespace cluster on the {big} (parts 2 and 3: {small})"
 
 
+def fmt_or(x: float | None, spec: str, unit: str = "") -> str:
+    return "-" if x is None else f"{x:{spec}}{unit}"
+
+
 def _params(n: int | None) -> str:
     return "?" if n is None else f"{n / 1e6:.2f}M"
 
 
-def _part1_intro(data: dict[str, Any], gpt: bool) -> str:
-    head = "**1. ds_mirrored gradient_compression on shaped links** (2 worker hosts, both links shaped alike;"
-    if gpt:
-        tokens = WORKERS * data["batch_size"] * data["gpt_block"]
-        return (
-            f"{head} {data.get('workload_label', 'GPT')}, {_params(data.get('params'))} parameters, AdamW lr"
-            f" {GPT_LR:g} betas (0.9, 0.95) weight decay 0.1; batch {data['batch_size']} windows of {data['gpt_block']}"
-            f" tokens per worker = {tokens} tokens per step; {data['warmup']} warm-up + {data['steps']} timed steps per"
-            " run; step time = rank 0's median over the timed steps, batch start to batch end; tokens/s = tokens per"
-            f" step / step time; powersgd_start_iter={data['powersgd_start_iter']}). Speedup = none's step time / the"
-            " setting's, per repeat. Perplexity: exp of the mean token cross-entropy of rank 0's final parameters on"
-            f" the first {data['val_windows']} windows ({data['val_windows'] * data['gpt_block']} tokens) of"
-            f" TextDataModule's validation split, after {data['acc_steps']} steps = {tokens * data['acc_steps']:,}"
-            " tokens in one extra run per setting on the unshaped cluster link (same seed, initial parameters and data"
-            " order; the link changes a step's duration, not its result)."
-        )
+def setup_line(data: dict[str, Any]) -> str:
+    """The cluster, the measured links and the repeats; the method is the README's."""
+    setup = data["setup"]
+    probes = ", ".join(f"{k}: {v:.0f} Mbit/s" if v else f"{k}: failed" for k, v in setup.get("probes", {}).items())
     return (
-        f"{head} MLP 64-{'-'.join(str(h) for h in data['hidden'])}-10 = {_params(data.get('params'))} parameters,"
-        f" DigitsClassifier, SGD lr {LR} momentum 0.9, batch {BATCH} per worker; {data['warmup']} warm-up +"
-        f" {data['steps']} timed steps per run; step time = rank 0's median over the timed steps, batch start to batch"
-        f" end; powersgd_start_iter={data['powersgd_start_iter']}: only the first warm-up step is a plain all-reduce,"
-        " every timed step is compressed). Speedup = none's step time / the setting's, per repeat. Accuracy:"
-        " validation accuracy of rank 0's final parameters (360 held-out digits), after the"
-        f" {data['warmup'] + data['steps']} steps of the shaped runs (median over all their runs), and after"
-        f" {data['acc_steps']} steps in one extra run per setting on the unshaped cluster link (same seed and data"
-        " order; the link changes a step's duration, not its result)."
+        f"**Setup.** 3 network-namespace hosts, qdisc {setup.get('qdisc_kind', '?')}; measured TCP throughput host 1"
+        f" -> host 0: {probes or 'not probed'}. {data['repeats']} interleaved repeat(s); median [min - max] over"
+        f" repeats, ratios per repeat. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine. Method:"
+        f" [README]({README})."
     )
 
 
 def part1_lines(data: dict[str, Any]) -> list[str]:
-    """Part 1's section: per setting and link the step time and speed-up (the GPT's tokens/s too), the accuracy or
-    perplexity of the long run, and the verdict counting only settings within its bounds."""
+    """Part 1's section: per setting and measured link the step time and speed-up (the GPT's tokens/s too), the
+    accuracy or perplexity of the long run, and which settings the verdict left out."""
     gpt = data.get("model") == "gpt"
     comp, acc, setup, t = data["compression"], data.get("accuracy") or {}, data["setup"], data["targets"][0]
-    links = [link for link in links_of("gpt") if link["key"] in comp] if gpt else LINKS
+    links = measured_links(data)
     tokens = WORKERS * data["batch_size"] * data["gpt_block"] if gpt else 0
     head = ["gradient_compression", "MB/step (timed)"]
     for link in links:
-        label = link["label"]
-        head += (
-            [f"{label}: step (ms)", f"{label}: tokens/s", f"{label}: speedup"]
-            if gpt
-            else [f"{label}: step (ms); speedup"]
-        )
-    if gpt:
-        head += ["unshaped step (ms), 1 run", f"val perplexity after {tokens * data['acc_steps']:,} tokens", "vs none"]
-    else:
-        short = data["warmup"] + data["steps"]
-        head += [
-            "unshaped step (ms), 1 run",
-            f"val acc after {short} steps (%)",
-            f"val acc after {data['acc_steps']} steps (%)",
-        ]
+        head += [f"{link['label']}: {x}" for x in ("step (ms)", *["tokens/s"] * gpt, "speedup")]
+    after = f"val perplexity after {tokens * data['acc_steps']:,} tokens" if gpt else "val acc after"
+    head += ["unshaped step (ms), 1 run", after if gpt else f"{after} {data['acc_steps']} steps (%)", "vs none"]
+    base = acc.get("none", {}).get("final_acc")
     rows = []
     for name in [c["name"] for c in data["compression_configs"] if c["compression"] != AUTO]:
         mb = next((comp[k][name]["bytes_per_step"] for k in comp if comp[k].get(name, {}).get("bytes_per_step")), None)
         row = [name, "-" if mb is None else f"{mb['median'] / 1e6:.3f}"]
-        accs: list[float] = []
         for link in links:
-            if link["key"] in setup["unsupported"]:
-                row.append(NO_NETEM)
-                continue
-            v = comp.get(link["key"], {}).get(name)
+            v = comp[link["key"]].get(name)
             if v is None or v["step_ms"] is None:
-                row += [f"failed ({v['failed_runs']} of {v['runs']})" if v else "-"] + ["-", "-"] * gpt
+                row += [f"failed ({v['failed_runs']} of {v['runs']})" if v else "-"] + ["-"] * (1 + gpt)
                 continue
             failed = f" ({v['failed_runs']} of {v['runs']} failed)" if v["failed_runs"] else ""
-            speed = f"**{fmt(v['speedup_over_none'], '.2f')}x**"
-            if gpt:
-                row += [f"{fmt(v['step_ms'], '.0f')}{failed}", fmt(v.get("tokens_per_s"), ".0f")]
-                row.append("1" if name == "none" else speed)
-            else:
-                row.append(f"{fmt(v['step_ms'], '.0f')}{failed}" + ("" if name == "none" else f"; {speed}"))
-                accs += [r["final_acc"] for r in data["raw"]["compression"][link["key"]][name] if "error" not in r]
+            row += [f"{fmt(v['step_ms'], '.0f')}{failed}", *[fmt(v.get("tokens_per_s"), ".0f")] * gpt]
+            row.append("1" if name == "none" else f"**{fmt(v['speedup_over_none'], '.2f')}x**")
         a = acc.get(name, {})
         row.append(f"{a['median_step_ms']:.0f}" if "median_step_ms" in a else "failed")
         if gpt:
             ratio = t.get("ppl_ratio", {}).get(name)
-            row += [
-                f"{a['final_ppl']:.3f}" if "final_ppl" in a else "failed",
-                "-" if ratio is None else f"{ratio:.4f}x",
-            ]
+            row += [f"{a['final_ppl']:.3f}" if "final_ppl" in a else "failed", fmt_or(ratio, ".4f", "x")]
         else:
-            long = f"{100 * a['final_acc']:.1f}" if "final_acc" in a else "failed"
-            row += [fmt(spread(accs), ".1f", 100), long]
+            points = None if base is None or "final_acc" not in a else 100 * (a["final_acc"] - base)
+            row += [f"{100 * a['final_acc']:.1f}" if "final_acc" in a else "failed", fmt_or(points, "+.1f", " points")]
         rows.append(row)
-    measured = f"{t['best'] or '-'}: {fmt(t['value'], '.2f')}x"
-    lines = [_part1_intro(data, gpt), "", *markdown_table(head, rows), ""]
-    lines += [
-        *markdown_table(["target", "goal", "measured", "result"], [[t["target"], t["goal"], measured, t["verdict"]]])
-    ]
-    lines.append("")
+    intro = (
+        f"**1. ds_mirrored gradient_compression on shaped links** ({data.get('workload_label')},"
+        f" {_params(data.get('params'))} parameters; {data['warmup']} warm-up + {data['steps']} timed steps per run;"
+        f" {'perplexity' if gpt else 'accuracy'} after {data['acc_steps']} steps on the unshaped link;"
+        f" powersgd_start_iter={data['powersgd_start_iter']})."
+    )
+    lines = [intro, "", *markdown_table(head, rows), ""]
+    if setup["unsupported"]:
+        lines += [f"{', '.join(LABELS[k] for k in setup['unsupported'])}: {NO_NETEM}.", ""]
     limit = f" (limit {1 + PPL_TOLERANCE:g}x)" if gpt else ""
     for name, x in t.get("excluded_for_ppl_ratio" if gpt else "excluded_for_accuracy_points", {}).items():
         what = "perplexity" if gpt else "accuracy"
@@ -152,9 +126,9 @@ def part1_lines(data: dict[str, Any]) -> list[str]:
             if x is None
             else (f"its perplexity is {x:.4f}x none's" if gpt else f"{x:+.1f} points vs none after the same steps")
         )
-        lines += [f"{name} is left out of the verdict: {why}{limit}.", ""]
-    pct = f"{100 * PPL_TOLERANCE:g}%"
+        lines += [f"{name} is left out of the 5x verdict: {why}{limit}.", ""]
     if gpt:
+        pct = f"{100 * PPL_TOLERANCE:g}%"
         tried, rank = ", ".join(str(r) for r in t["powersgd_ranks"]) or "none", t["powersgd_rank_within_tolerance"]
         lines.append(
             f"Smallest PowerSGD rank within {pct} of none's perplexity: **{rank}** (ranks tried: {tried})."
@@ -162,12 +136,6 @@ def part1_lines(data: dict[str, Any]) -> list[str]:
             else f"No PowerSGD rank tried ({tried}) stayed within {pct} of none's perplexity after the same tokens."
         )
         lines.append("")
-    elif setup["unsupported"]:
-        lines += [
-            "The 1 ms delay cells: `Cluster.shape(host, rate_mbit=..., delay_ms=1)` raised `ShapingUnsupportedError`"
-            f" ({NO_NETEM}; tbf can limit the rate but not add delay), so they hold no numbers.",
-            "",
-        ]
     return lines
 
 
@@ -181,15 +149,6 @@ def _auto_figure(v: dict[str, Any]) -> str:
     return f"{100 * value:.1f} ({100 * (value - base):+.1f} points)" if base is not None else f"{100 * value:.1f}"
 
 
-def _auto_result(v: dict[str, Any]) -> str:
-    """The step-time verdict and, when it is met, whether the accuracy or perplexity held."""
-    speed = verdict(v["over_best"], at_most=CLUSTER_TARGET)
-    figure = "perplexity" if "final_ppl" in v else "accuracy"
-    if speed != "met":
-        return f"{speed} (step time)" if speed in ("within noise", "missed") else speed
-    return {True: "met", False: f"missed ({figure})", None: f"no {figure}"}[v["accuracy_met"]]
-
-
 def auto_lines(data: dict[str, Any]) -> list[str]:
     """Part 1b's section; empty for results without the auto arm."""
     summary = data.get("auto")
@@ -199,11 +158,6 @@ def auto_lines(data: dict[str, Any]) -> list[str]:
     config = next((c for c in data["compression_configs"] if c["name"] == AUTO), {})
     interval = config.get("auto_interval")
     what = "validation perplexity" if gpt else "validation accuracy"
-    bound = (
-        f"perplexity <= {1 + PPL_TOLERANCE:g}x none's"
-        if gpt
-        else f"accuracy >= none's - {ACC_TOLERANCE_POINTS:g} point"
-    )
     rows = [
         [
             LABELS.get(key, key),
@@ -213,26 +167,16 @@ def auto_lines(data: dict[str, Any]) -> list[str]:
             f"**{fmt(v['over_best'], '.3f')}**",
             f"{v['fastest'] or '-'}: {fmt(v['over_fastest'], '.3f')}",
             _auto_figure(v),
-            _auto_result(v),
         ]
         for key, v in summary.items()
     ]
     head = ["link", "auto step (ms)", "best fixed: step (ms)", f"auto / best (target <= {CLUSTER_TARGET:.2f})"]
-    head += [
-        "fastest fixed: auto / it",
-        f"auto's {what}{'' if gpt else ' (%)'} after {data['acc_steps']} steps",
-        "result",
-    ]
+    head += ["fastest fixed: auto / it", f"auto's {what}{'' if gpt else ' (%)'} after {data['acc_steps']} steps"]
     lines = [
         f"**1b. gradient_compression='auto' on the same links** (`MirroredStrategy(gradient_compression='auto',"
         f" powersgd_rank={config.get('powersgd_rank')}, powersgd_start_iter={config.get('powersgd_start_iter')}"
-        f"{'' if interval is None else f', auto_interval={interval}'})`: PowerSGD, when chosen, at the smallest rank"
-        " the verdict admitted when the fixed settings were measured; auto's runs interleaved with the fixed settings'"
-        " above, same steps). Best fixed = the fastest setting at that link among those within the verdict's bounds"
-        f" ({bound} after the same steps; none always counts); auto / best and auto / the fastest of all, per"
-        f" repeat. Target: auto / best <= {CLUSTER_TARGET:.2f} with auto's {what} within the same bounds. Auto's"
-        f" {what}: one extra run of {data['acc_steps']} steps on each shaped link (what auto"
-        " computes depends on the link it measures), against none's after the same steps (unshaped run above).",
+        f"{'' if interval is None else f', auto_interval={interval}'})`; best fixed = the fastest setting within the"
+        f" 5x verdict's bounds, none always counting; auto's {what} from one run on each shaped link).",
         "",
         *markdown_table(head, rows),
         "",
@@ -254,12 +198,8 @@ def uneven_lines(data: dict[str, Any]) -> list[str]:
     ps, bal = data.get("ps"), data.get("balance")
     if ps is not None:
         lines += [
-            f"**2. ds_parameter_server vs ds_mirrored, worker links 10x apart** (worker 0 at"
-            f" {UNEVEN_MBIT[0]:.0f} Mbit/s, worker 1 at {UNEVEN_MBIT[1]:.0f} Mbit/s, the server's link unshaped; MLP"
-            f" 64-{hidden}-10, batch {BATCH} per worker, equal samples: ds_mirrored {data['ps_steps']} steps per"
-            f" worker = {WORKERS * data['ps_steps'] * BATCH} samples, ds_parameter_server an update budget of the same"
-            " samples, fast workers doing more of them). Samples/s: samples of both workers / (last step end - first"
-            " step start). Accuracy: rank 0's parameters after fit (under ds_parameter_server the servers' last ones).",
+            f"**2. ds_parameter_server vs ds_mirrored, worker links {UNEVEN_MBIT[0]:.0f} and {UNEVEN_MBIT[1]:.0f}"
+            f" Mbit/s** (MLP 64-{hidden}-10, {WORKERS * data['ps_steps'] * BATCH} samples in all).",
             "",
         ]
         head = ["configuration", "samples/s", "vs ds_mirrored", "final val acc (%)", "acc vs ds_mirrored (points)"]
@@ -279,13 +219,9 @@ def uneven_lines(data: dict[str, Any]) -> list[str]:
         lines += [*markdown_table([*head, "samples", "steps w0 / w1", "median step w0 / w1 (ms)"], rows), ""]
     if bal is not None:
         lines += [
-            "**3. DynamicLoadBalancer vs the equal split on the same uneven link**"
-            f" (ds_mirrored, MLP 64-{hidden}-10, global batch {data['global_batch']}; equal split ="
-            " `DynamicLoadBalancer(interval=0,"
-            f" initial_shares=[1, 1])`, balanced = `interval={data['interval']}`; {data['balance_warmup_epochs']}"
-            f" warm-up + {data['balance_epochs']} timed epochs; epoch time = rank 0's, median over the timed epochs."
-            " Compute per sample = batch start to the launch of the last gradient bucket (what the balancer"
-            " measures) / local batch).",
+            f"**3. DynamicLoadBalancer vs the equal split on the same link** (ds_mirrored, MLP 64-{hidden}-10, global"
+            f" batch {data['global_batch']}, balanced `interval={data['interval']}`; {data['balance_warmup_epochs']}"
+            f" warm-up + {data['balance_epochs']} timed epochs).",
             "",
         ]
         rows = [
@@ -312,29 +248,15 @@ def uneven_lines(data: dict[str, Any]) -> list[str]:
 
 def markdown(data: dict[str, Any]) -> list[str]:
     """Parts 1-3's page, from the flat view of :meth:`Cluster.view`."""
-    setup = data["setup"]
-    probes = ", ".join(f"{k}: {v:.0f} Mbit/s" if v else f"{k}: failed" for k, v in setup.get("probes", {}).items())
-    lines = [
-        title(data),
-        "",
-        f"**Setup.** A network-namespace cluster of 3 hosts on one bridge (host 0 and host 1: the workers; host 2: the"
-        f" parameter server), built by `ds_lightning.testing.netns.Cluster`; one process per TF_CONFIG task, 1 thread"
-        f" each, gloo, `Trainer(devices=1)`, no MASTER_ADDR/MASTER_PORT/GLOO_SOCKET_IFNAME in the environment (the pack"
-        f" picks each task's interface). Links shaped on both directions of a host's veth by `Cluster.shape`"
-        f" (qdisc: {setup.get('qdisc_kind', '?')}). Measured TCP throughput host 1 -> host 0 (one stream, Python"
-        f" sockets): {probes or 'not probed'}. {data['repeats']} interleaved repeat(s); median [min - max] over"
-        f" repeats, ratios taken per repeat. Total time {data['seconds'] / 60:.1f} min on a shared 2-core machine.",
-        "",
-    ]
+    lines = [title(data), "", setup_line(data), ""]
     if data.get("compression") is not None:
         lines += part1_lines(data)
-    return [*lines, *auto_lines(data), *uneven_lines(data), *data.get("notes", [])]
+    return [*lines, *auto_lines(data), *uneven_lines(data)]
 
 
 def plot(data: dict[str, Any], path: Path) -> None:
     """One bar chart per measured link of part 1 (labels: speed-up over none), then parts 2 and 3's."""
-    comp = data.get("compression") or {}
-    links = [link for link in LINKS if link["key"] in comp and link["key"] not in data["setup"]["unsupported"]]
+    comp, links = data.get("compression") or {}, measured_links(data)
     arms: dict[str, dict[str, Any]] = {}
     for link in links:
         for name, v in comp[link["key"]].items():
@@ -351,70 +273,3 @@ def plot(data: dict[str, Any], path: Path) -> None:
         arms |= {n: data["balance"][n] for n in (EQUAL, BALANCED) if n in data["balance"]}
         panels.append(Panel("epoch_s", "3. epoch time, rank 0 (s)"))
     bar_panels(path, arms, panels, title(data).removeprefix("# "))
-
-
-def notes(data: dict[str, Any]) -> list[str]:
-    """Observations computed from the figures, so they always describe the numbers above them."""
-    out = []
-    comp = data.get("compression") or {}
-    for link in LINKS:
-        v = comp.get(link["key"], {}).get("none") or {}
-        if v.get("step_ms") and v.get("bytes_per_step"):
-            payload = v["bytes_per_step"]["median"]
-            wire_ms = payload * 8 / (link["rate_mbit"] * 1e6) * 1e3
-            out.append(
-                f"- {link['label']}: none takes {v['step_ms']['median']:.0f} ms per step; its {payload / 1e6:.1f} MB"
-                f" of gradients alone need {wire_ms:.0f} ms at the link rate (a 2-rank ring all-reduce sends about the"
-                " payload once each way)."
-            )
-    acc = data.get("accuracy") or {}
-    base = acc.get("none", {})
-    if "final_acc" in base:
-        same = [n for n, a in acc.items() if n != "none" and a.get("final_acc") == base["final_acc"]]
-        moved = [n for n in same if acc[n].get("param_checksum") not in (None, base.get("param_checksum"))]
-        if moved:
-            out.append(
-                f"- {', '.join(moved)} {'ends' if len(moved) == 1 else 'end'} with the same accuracy as none after"
-                f" {data['acc_steps']} steps, but not the same parameters (sum of |parameters|: "
-                + ", ".join(f"{n} {acc[n]['param_checksum']:.4f}" for n in ["none", *moved])
-                + "): the narrower all-reduce rounds the gradients, too little to change a prediction here."
-            )
-        for n, a in acc.items():
-            if n != "none" and "final_acc" in a and a["final_acc"] < base["final_acc"] - 0.02:
-                out.append(
-                    f"- {n} is {100 * (base['final_acc'] - a['final_acc']):.1f} points below none after"
-                    f" {data['acc_steps']} steps (powersgd_start_iter={data['powersgd_start_iter']}: compressed from"
-                    f" step {data['powersgd_start_iter'] + 1} on; starting PowerSGD later, as its authors recommend,"
-                    " keeps more accuracy at the price of uncompressed early steps)."
-                )
-    ps = data.get("ps") or {}
-    for name, v in ps.items():
-        if name == MIRRORED or not v.get("steps_w0") or not v.get("throughput_over_mirrored"):
-            continue
-        ratio = f"{v['throughput_over_mirrored']['median']:.2f}x ds_mirrored's."
-        if not ps.get(MIRRORED, {}).get("step_ms_w0"):
-            out.append(f"- {name}: throughput {ratio}")
-            continue
-        out.append(
-            f"- {name}: worker 0 (fast link) ran {v['steps_w0']['median']:.0f} steps of"
-            f" {v['step_ms_w0']['median']:.0f} ms, worker 1 (slow link) {v['steps_w1']['median']:.0f} of"
-            f" {v['step_ms_w1']['median']:.0f} ms (a pull and a push of the whole model per step); under"
-            f" ds_mirrored both wait for the slow link every step ({ps[MIRRORED]['step_ms_w0']['median']:.0f} ms)."
-            f" Throughput {ratio}"
-        )
-    bal = data.get("balance") or {}
-    v, e = bal.get(BALANCED) or {}, bal.get(EQUAL) or {}
-    if v.get("final_share_rank0") and e.get("compute_ms_per_sample_r0") and e.get("step_ms"):
-        share, r0, r1 = v["final_share_rank0"], e["compute_ms_per_sample_r0"], e["compute_ms_per_sample_r1"]
-        out.append(
-            "- DynamicLoadBalancer divides the batch by compute throughput, timed up to the launch of the last gradient"
-            f" bucket, which leaves the all-reduce out. Under the equal split that compute was {r0['median']:.3f} /"
-            f" {r1['median']:.3f} ms per sample on rank 0 / rank 1 (median), about"
-            f" {r0['median'] * data['global_batch'] / WORKERS:.0f} ms per rank per step out of a"
-            f" {e['step_ms']['median']:.0f} ms step: the all-reduce over the slow link dominates and waits for it"
-            " whatever the split. So the balancer has no real imbalance to correct; its final rank-0 share was"
-            f" {share['median']:.3f} [{share['min']:.3f} - {share['max']:.3f}] (following noise in the compute"
-            " measurement on this shared machine) and the epoch time balanced / equal"
-            f" {fmt(bal.get('ratio_epoch'), '.3f')}."
-        )
-    return ["**Notes**", "", *out] if out else []
