@@ -35,11 +35,8 @@ QUICK = {"digits": {"steps": 5, "warmup": 3, "ms": [2, 4]}, "gpt": {"steps": 3, 
 def workload_label(st: dict[str, Any]) -> str:
     if st.get("model") != "gpt":
         return f"8 x (Linear(512, 512) + ReLU), batch {st['batch']}, MSE, SGD"
-    return f"{_workloads.label(workload_spec(st))}, batch {st['batch']} windows, cross-entropy, AdamW"
-
-
-def workload_spec(st: dict[str, Any]) -> dict[str, Any]:
-    return _workloads.spec_of(argparse.Namespace(**st))
+    spec = _workloads.spec_of(argparse.Namespace(**st))
+    return f"{_workloads.label(spec)}, batch {st['batch']} windows, cross-entropy, AdamW"
 
 
 def _merge(lines: list[dict[str, Any]], procs: int) -> dict[str, dict[str, Any]]:
@@ -213,7 +210,6 @@ class Pipeline(harness.Benchmark):
         stem = harness.stem(self, data["settings"].get("model"))
         return [
             report.step_chart(data, out / f"{stem}.png"),
-            report.memory_chart(data, out / f"{stem}_memory.png"),
             *report.write_traces(data["records"], data["summary"]["meta"]["trace_m"], out, stem),
         ]
 

@@ -105,14 +105,12 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
     assert "byte-level GPT (4 layers, d_model 128, 4 heads, context 128)" in md
     assert "1,024 tokens per step" in md
     assert "5,120 tokens/s" in md  # single process: 8 x 128 tokens in 200 ms
-    # hand 125 ms -> 8,192 tokens/s, ds 100 ms -> 10,240 tokens/s, ratio 0.8
-    assert "| 2 | GPipe | 1 | 200.0 | 125.0 | 100.0 | 8,192 | 10,240 | **0.800** met |" in md
-    assert "| 2 | GPipe | 1 | 2.00 / 3.00 | 2.00 / 3.00 | 1.00 / 1.50 | 1.00 / 1.50 | 1 / 1 |" in md
-    # CPU per step, ranks summed: ds - hand = +20 ms, +10 per rank; the 2-core floor is half of each sum
-    assert "Single process, whole batch: 190.0 ms." in md
-    assert "| 2 | GPipe | 1 | 210.0 | 230.0 | +20.0 | +10.0 | 105.0 | 115.0 |" in md
-    for name in ("pipeline_gpt.png", "pipeline_gpt_memory.png"):
-        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| 2 | GPipe | 1 | 200.0 | 125.0 | 100.0 | **0.800** met |" in md  # ds 100 ms / hand 125 ms
+    assert "| 2 | GPipe | 1 | 2.00 / 3.00 | 1.00 / 1.50 | 1.00 / 1.50 | 1 / 1 |" in md
+    # CPU per step, ranks summed: ds - hand = +20 ms
+    assert "single process, whole batch: 190.0 ms." in md
+    assert "| 2 | GPipe | 1 | 210.0 | 230.0 | +20.0 |" in md
+    assert (tmp_path / "pipeline_gpt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "pipeline.md").exists() and not (tmp_path / "pipeline.png").exists()
     summary = json.loads(json.dumps(Pipeline().summarise(data)))
     assert summary["meta"]["unit"] == "tokens" and summary["meta"]["per_step"] == 1024
