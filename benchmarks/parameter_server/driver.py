@@ -14,9 +14,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import harness
-from benchmarks.harness import Arm, Experiment, fmt
+from benchmarks.harness import Arm, Experiment, Panel, fmt
 from benchmarks.harness import workloads as _workloads
-from benchmarks.harness.figures import save_figure
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
 WORKERS, SLOW_RANK = 2, 1
@@ -185,60 +184,30 @@ class ParameterServer(harness.Benchmark):
                 fmt(v["samples_per_s"], ".0f", per_sample),
                 fmt(v.get("samples_per_s_ratio"), ".2f"),
                 *final(v),
-                fmt(v["samples"], ".0f", per_sample),
-                f"{fmt(v['steps_w0'], '.0f')} / {fmt(v['steps_w1'], '.0f')}",
                 f"{fmt(v['step_ms_w0'], '.1f')} / {fmt(v['step_ms_w1'], '.1f')}",
-                fmt(v["slow_over_fast_step"], ".2f"),
             ]
             for name, v in s.items()
         ]
-        phase_rows = [
-            [g, LABELS[name], w, *(fmt(v[f"{p}_ms_w{w}"], ".1f") for p in PHASES), fmt(v[f"step_ms_w{w}"], ".1f")]
-            for g, summary in (("straggler", s), ("no straggler", n))
-            for name, v in summary.items()
-            for w in range(WORKERS)
-        ]
         if gpt:
-            model = (
-                f"{data['workload']} (AdamW lr {st['lr']:g}), batch {batch} windows of {per_sample} tokens per worker"
-            )
-            final_figure = (
-                f"Final figure: validation perplexity of rank 0's final parameters on the first {st['val_windows']}"
-                " validation windows (the same for every configuration). With max_staleness 4 or None every push is"
-                " one server update of one worker's batch, so at equal tokens those runs make twice the AdamW updates"
-                " of ds_mirrored and max_staleness=0, each on half the batch."
-            )
+            model = f"{data['workload']} (AdamW lr {st['lr']:g}), batch {batch} windows of {per_sample} tokens"
+            final_figure = f"validation perplexity on the first {st['val_windows']} validation windows"
         else:
-            model = f"DigitsClassifier 64-128-10 (SGD lr {st['lr']:g} momentum 0.9), batch {batch} per worker"
-            final_figure = "Final figure: validation accuracy of rank 0's final parameters."
-        undelayed = cal.get("undelayed_step_ms")
+            model = f"DigitsClassifier 64-128-10 (SGD lr {st['lr']:g} momentum 0.9), batch {batch}"
+            final_figure = "validation accuracy"
         final_heads = (
-            ["final val perplexity", "perplexity vs ds_mirrored"]
-            if gpt
-            else ["final val acc", "acc vs ds_mirrored (points)"]
+            ["final val perplexity", "vs ds_mirrored"] if gpt else ["final val acc", "vs ds_mirrored (points)"]
         )
         return [
-            f"2 CPU workers (gloo, 1 thread each; ds_parameter_server adds 1 server process), {model},"
-            f" {st['steps']} ds_mirrored steps per worker = {WORKERS * st['steps'] * batch * per_sample} training"
-            f" {what} per run under every configuration, {st['repeats']}"
-            f" interleaved repeat(s). Straggler: worker {SLOW_RANK} sleeps {cal['delay_ms_per_sample']:.3f} ms/sample"
-            f" ({cal['delay_ms_per_step']:.1f} ms per step) before each step"
-            + (f", {st['slowdown']:g}x the un-delayed ds_mirrored step of {undelayed:.1f} ms." if undelayed else "."),
-            "Median [min - max] over repeats; ratios and differences are taken per repeat against that repeat's"
-            f" ds_mirrored run. {what.capitalize()}/s: {what} pushed by all workers / (last step end - first step"
-            f" start). {final_figure}",
+            f"2 CPU workers, {model} per worker, {st['steps']} ds_mirrored steps per worker ="
+            f" {WORKERS * st['steps'] * batch * per_sample} training {what} per run, {st['repeats']} interleaved"
+            f" repeat(s); worker {SLOW_RANK} sleeps {cal['delay_ms_per_sample']:.3f} ms/sample before each step."
+            f" Final figure: {final_figure} of rank 0's final parameters. Median [min - max] over repeats; ratios per"
+            " repeat. Method: [the README](../parameter_server/README.md).",
             "",
             "**With the straggler**",
             "",
             *harness.markdown_table(
-                [
-                    "configuration",
-                    f"{what}/s",
-                    "vs ds_mirrored",
-                    *final_heads,
-                    what,
-                    *["steps w0 / w1", "median step w0 / w1 (ms)", "w1 / w0 step"],
-                ],
+                ["configuration", f"{what}/s", "vs ds_mirrored", *final_heads, "median step w0 / w1 (ms)"],
                 straggler_rows,
             ),
             "",
@@ -251,98 +220,20 @@ class ParameterServer(harness.Benchmark):
                     for k, v in n.items()
                 ],
             ),
-            "",
-            "**Where each worker's step goes** (median ms): the straggler's sleep; up to `training_step` (the pull"
-            " under ds_parameter_server, a BSP pull waits for the other worker); `training_step` + backward (under"
-            " ds_mirrored including the gradient all-reduce, which waits for the other worker); after backward (the"
-            " push under ds_parameter_server, the optimizer step under ds_mirrored).",
-            "",
-            *harness.markdown_table(
-                [
-                    "run",
-                    "configuration",
-                    "worker",
-                    "sleep",
-                    "before training_step",
-                    "training_step + backward",
-                    "after backward",
-                    "whole step",
-                ],
-                phase_rows,
-            ),
         ]
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        """Accuracy (perplexity on the GPT) against samples, throughput with the straggler, step time without."""
-        import matplotlib  # here: running the benchmark needs no matplotlib until it writes
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        s, n = group(data["summary"], STRAGGLER), group(data["summary"], NO_STRAGGLER)
-        what, per_sample = unit(data["settings"])
-        gpt = what == "tokens"
-        scale = 1.0 if gpt else 100.0  # perplexity as it is, accuracy in %
-        colors = dict(zip(STRAGGLER, ["tab:blue", "tab:orange", "tab:green", "tab:red"], strict=True))
-        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(17, 5), gridspec_kw={"width_ratios": [2.2, 1.4, 0.8]})
-        for name in STRAGGLER:
-            for i, run in enumerate(harness.ok(data["records"], name)):
-                xs, ys = zip(*run["curve"], strict=True)
-                style = "--" if name == BSP else "-"  # ds_mirrored's numerics: the two curves coincide
-                label = None if i else name
-                ax1.plot(
-                    [x * per_sample for x in xs],
-                    [scale * y for y in ys],
-                    style,
-                    color=colors[name],
-                    alpha=0.75,
-                    lw=1.2,
-                    label=label,
-                )
-                final = run.get("final_ppl" if gpt else "final_acc")
-                if final is not None:
-                    ax1.plot(run["samples"] * per_sample, scale * final, "o", color=colors[name], ms=4)
-        figure = "validation perplexity" if gpt else "validation accuracy (%)"
-        ax1.set(xlabel=f"training {what} seen (all workers)", ylabel=f"{figure}, rank 0's parameters")
-        if gpt:
-            ax1.set_yscale("log")  # from 256 (uniform bytes) down to tens
-        else:
-            ax1.set_ylim(50, 100)
-        ax1.set_title(
-            f"with a {data['settings']['slowdown']:g}x straggler: {figure} vs {what} (every repeat; dot = final)"
-        )
-        ax1.legend(fontsize=8, loc="upper right" if gpt else "lower right")
-        ax1.grid(alpha=0.3)
-        _bars(ax2, s, "samples_per_s", per_sample, TARGET_ASYNC_SPEEDUP, "target for async", colors)
-        ax2.set(ylabel=f"{what}/s (median, min-max)", title="throughput with the straggler")
-        _bars(ax3, n, "step_ms_w0", 1, TARGET_BSP_STEP, "target for staleness 0", colors)
-        ax3.set(ylabel="median step time, rank 0 (ms)", title="no straggler")
-        fig.tight_layout()
+        """Throughput and the final figure with and without the straggler, and rank 0's step time."""
+        final = ("final_ppl", "final validation perplexity") if unit(data["settings"])[0] == "tokens" else None
+        panels = [
+            Panel("samples_per_s", "samples/s (GPT: windows/s)", "samples_per_s_ratio"),
+            Panel(*(final or ("final_acc", "final validation accuracy")), "final_ppl_ratio" if final else ""),
+            Panel("step_ms_w0", "median step time, rank 0 (ms)", "step_ms_w0_ratio"),
+        ]
+        title = f"{data['workload']}: worker {SLOW_RANK} {data['settings']['slowdown']:g}x slower (median, min-max)"
         path = out / f"{harness.stem(self, data['settings'].get('model'))}.png"
-        save_figure(fig, path)
+        harness.bar_panels(path, {a: data["summary"][a] for a in data["arms"]}, panels, title)
         return [path]
-
-
-def _bars(
-    ax: Any, summary: dict[str, Any], key: str, scale: float, target: float, label: str, colors: dict[str, str]
-) -> None:
-    """A bar per configuration (median, min-max), its ratio to ds_mirrored above it, the target as a line."""
-    names = [k for k in summary if summary[k][key]]
-    spreads = [summary[k][key] for k in names]
-    med = [scale * v["median"] for v in spreads]
-    err = [
-        [m - scale * v["min"] for m, v in zip(med, spreads, strict=True)],
-        [scale * v["max"] - m for m, v in zip(med, spreads, strict=True)],
-    ]
-    ax.bar(range(len(names)), med, yerr=err, capsize=4, color=[colors[k] for k in names])
-    for i, k in enumerate(names):
-        if summary[k].get(f"{key}_ratio"):
-            top = (i, scale * spreads[i]["max"])
-            ax.annotate(f"{summary[k][f'{key}_ratio']['median']:.2f}x", top, ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(names)), [k.replace("_", "\n", 2) for k in names], fontsize=7)
-    if summary.get(MIRRORED, {}).get(key):
-        ax.axhline(target * scale * summary[MIRRORED][key]["median"], color="k", ls=":", lw=1, label=label)
-        ax.legend(fontsize=8)
 
 
 if __name__ == "__main__":
