@@ -154,12 +154,11 @@ class Precision(harness.Benchmark):
         s, cpu, st = data["summary"], data["cpu"], data["settings"]
         unit = unit_of(data)
         if data["accelerator_used"] == "cuda":
-            device = f"CUDA ({data.get('cuda_device') or 'GPU'})"
-            memory = "peak `torch.cuda.max_memory_allocated()` during `fit`"
+            device, memory = f"CUDA ({data.get('cuda_device') or 'GPU'})", "CUDA max_memory_allocated"
         else:
             flags = ", ".join(cpu.get("flags", [])) or "none of note"
             device = f"CPU ({cpu.get('model', 'unknown')}, {st['threads']} torch thread(s); flags: {flags})"
-            memory = "growth of the process's peak resident set size (`ru_maxrss`) over `fit`, a fresh process per run"
+            memory = "peak RSS growth over fit"
         rows = [
             [
                 data["arms"][n] + (f" ({s[n]['failed_runs']} failed)" if s[n]["failed_runs"] else ""),
@@ -178,21 +177,11 @@ class Precision(harness.Benchmark):
             f"{f' windows of {block_of(data)} tokens' if unit == 'tokens' else ''}, {st['warmup']} warm-up +"
             f" {st['steps']} timed steps per run, {st['repeats']} interleaved launch(es) per arm, every run a fresh"
             " process.",
-            *provenance_line(data),
-            "Step time: batch start to batch end (forward, backward, optimizer step), median over a run's timed steps;"
-            f" throughput: {unit} per second at that step time."
-            f" **Peak memory: {memory}.** Saved for backward: bytes autograd keeps for backward in one step (the"
-            " largest step; each storage once; parameters excluded), split into activations and autocast's"
-            " low-precision weight copies. Median [min - max] over launches; ratios per launch against that launch's"
-            " fp32 run.",
+            f"Peak memory: {memory}. Median [min - max] over launches; ratios per launch against that launch's"
+            " fp32 run. Method: [the README](../precision/README.md).",
             "",
             *harness.markdown_table(head, rows),
-            "",
-            "**Reading**",
-            "",
-            *([f"- **{headline}**"] if headline else []),
-            *findings(data),
-            *auto_launches(data),
+            *(["", f"**{headline}**"] if headline else []),
         ]
 
     def headline(self, data: dict[str, Any]) -> str | None:
@@ -205,7 +194,7 @@ class Precision(harness.Benchmark):
         picks = ", ".join(f"{c} {chosen.count(c)}x" for c in dict.fromkeys(chosen))
         line = (
             f"auto / fp32 step time (per launch, {len(ratio['runs'])} launches): {fmt(ratio, '.3f')}; target <="
-            f" {AUTO_TARGET:.2f}: {auto['verdict']} (auto trained in {picks})"
+            f" {AUTO_TARGET:.2f} in every launch: {auto['verdict']} (auto trained in {picks})"
         )
         if auto.get("probe_s"):
             line += f"; its measuring took {fmt(auto['probe_s'], '.2f')} s once"
@@ -243,95 +232,7 @@ def trained(data: dict[str, Any]) -> str:
     """The module and optimizer that trained."""
     if unit_of(data) == "tokens":
         return "the demo `GPT` (AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1)"
-    hidden = "-".join(str(h) for h in data["settings"].get("hidden", HIDDEN))  # an option until it was dropped
-    return f"DigitsClassifier 64-{hidden}-10 (SGD lr {LR} momentum 0.9)"
-
-
-def provenance_line(data: dict[str, Any]) -> list[str]:
-    """Where the figures were measured (the harness's provenance block; none in fabricated data)."""
-    p = data.get("provenance")
-    if not p:
-        return []
-    commit = (p.get("commit") or "unrecorded")[:10] + (" + uncommitted changes" if p.get("uncommitted") else "")
-    return [
-        f"Measured at commit {commit} on {str(p.get('date') or 'unrecorded')[:10]}: {p.get('cpu_model')},"
-        f" {p.get('cores')} cores, torch {p.get('torch')}, Lightning {p.get('lightning')}"
-        + (f", {p['cuda_device']}" if p.get("cuda_device") else "")
-        + ". The machine was shared with other work while it ran: spreads are wide.",
-    ]
-
-
-def auto_launches(data: dict[str, Any]) -> list[str]:
-    """Per launch: fp32's and auto's step time, what auto measured on its first batch, and what it chose."""
-    by = {(r["arm"], r["repeat"]): r for r in harness.ok(data["records"])}
-    rows = []
-    for rep in sorted(k[1] for k in by if k[0] == "auto"):
-        auto, base = by[("auto", rep)], by.get((BASE, rep))
-        measured = (auto.get("decision") or {}).get("median_ms", {})
-        rows.append(
-            [
-                rep + 1,
-                f"{base['step_ms']:.1f}" if base else "-",
-                f"{auto['step_ms']:.1f}",
-                f"{auto['step_ms'] / base['step_ms']:.3f}" if base else "-",
-                auto["chosen"],
-                ", ".join(f"{c} {ms:.2f}" for c, ms in measured.items()) or "-",
-                f"{auto['probe_s']:.2f}" if auto.get("probe_s") is not None else "-",
-            ]
-        )
-    if not rows:
-        return []
-    head = ["launch", "fp32 step (ms)", "auto step (ms)", "auto / fp32", "auto trained in"]
-    head += ["auto measured (ms per forward + backward)", "measuring (s)"]
-    return [
-        "",
-        "**auto, launch by launch.** Its rule: fp32 unless another precision's median pass beats fp32's by more than"
-        " the larger of 5% and the noise (interquartile range over median) of the two candidates' passes. Verdict:"
-        f" met when every launch's auto / fp32 is <= {AUTO_TARGET:.2f}, missed when none is, within noise otherwise.",
-        "",
-        *harness.markdown_table(head, rows),
-    ]
-
-
-def findings(data: dict[str, Any]) -> list[str]:
-    """Plain-language reading of the medians."""
-    s, out = data["summary"], []
-    cpu = data["accelerator_used"] == "cpu"
-    flags = data["cpu"].get("flags", [])
-    native = [f for f in flags if "bf16" in f or "fp16" in f]
-    for name in (n for n in data["arms"] if n != BASE and s[n].get("step_ms_ratio")):
-        t, m, a = (s[name].get(f"{k}_ratio") for k in ("step_ms", "peak_mb", "activation_mb"))
-        x = t["median"]
-        speed = f", {x - 1:.0%} slower" if 1 <= x < 2 else "" if x >= 2 else f", a {1 / x:.2f}x speed-up"
-        line = f"- {LABELS[name]}: {x:.2f}x the fp32 step time{speed}"
-        if m is not None:
-            line += f"; peak memory {m['median']:.2f}x fp32's"
-        if a is not None:
-            copies = s[name]["weight_copy_mb"]["median"] if s[name]["weight_copy_mb"] else 0.0
-            line += f"; activations saved for backward {a['median']:.2f}x fp32's"
-            if copies > 0:
-                line += f", plus {copies:.2f} MB of autocast's low-precision weight copies, which fp32 does not need"
-        out.append(line + ".")
-        if name == "auto" and set(s[name]["chosen"]) == {BASE}:
-            out.append(
-                "  auto trained in fp32 in every launch, so past its first step it ran fp32's code path: read its"
-                " ratio against the spread of fp32's own step time between launches."
-            )
-        if cpu and x > 1 and name != "auto":
-            why = (
-                f"even with {', '.join(native)}, the kernels used here and the casts cost more than fp32's"
-                if native
-                else "this CPU has no native bf16/fp16 matrix instructions (flags found:"
-                f" {', '.join(flags) or 'none'}), so the low-precision matrix multiplications run without hardware"
-                " support"
-            )
-            out.append(f"  {LABELS[name]} is slower than fp32 on this CPU: {why}; mixed precision can buy memory only.")
-    if cpu:
-        out.append(
-            "- Peak RSS is a coarse measure (a high-water mark of the whole process, allocator caching included);"
-            " the saved-for-backward columns count what mixed precision changes directly."
-        )
-    return out
+    return f"DigitsClassifier 64-{'-'.join(map(str, HIDDEN))}-10 (SGD lr {LR} momentum 0.9)"
 
 
 if __name__ == "__main__":
