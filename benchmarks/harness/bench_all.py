@@ -140,13 +140,31 @@ def _started(data: dict[str, Any]) -> datetime.datetime | None:
         return None
 
 
+def _folders(folder: str) -> list[str]:
+    """``folder`` and every benchmark folder its code imports from, directly or through another (memory reads its
+    counts from sharding_engines, the cluster its balancer reading from load_balance)."""
+    found = [folder]
+    for name in found:
+        for path in sorted((REPO / "benchmarks" / name).glob("*.py")):
+            for other in re.findall(r"\bbenchmarks\.(\w+)", path.read_text()):
+                if (
+                    other not in found
+                    and other not in ("harness", "results")
+                    and (REPO / "benchmarks" / other).is_dir()
+                ):
+                    found.append(other)
+    return found
+
+
 def measured_paths(benchmark: str | None) -> tuple[str, ...]:
-    """What a results file of ``benchmark`` measured, as git pathspecs: the package, the harness and the benchmark's
-    own folder (another benchmark's driver changes none of its figures); all of ``benchmarks/`` when it is unknown."""
+    """What a results file of ``benchmark`` measured, as git pathspecs: the package, the harness, the benchmark's own
+    folder and the folders it imports from (a benchmark it does not import changes none of its figures); all of
+    ``benchmarks/`` when it is unknown."""
     module = BENCHMARKS.get(benchmark or "", ("",))[0]
     if not module:
         return MEASURED
-    return ("ds_lightning", "benchmarks/harness", f"benchmarks/{module.split('.')[0]}", *MEASURED[2:])
+    folders = tuple(f"benchmarks/{f}" for f in _folders(module.split(".")[0]))
+    return ("ds_lightning", "benchmarks/harness", *folders, *MEASURED[2:])
 
 
 def changed_since(commit: str, paths: Sequence[str] = measured_paths(None)) -> list[str] | None:

@@ -138,6 +138,11 @@ def test_a_change_to_one_benchmark_leaves_the_others_results_current(tmp_path: P
     assert data["commits"]["code_unchanged"] == "no"
     assert bench_all.measured_paths("pipeline")[:3] == ("ds_lightning", "benchmarks/harness", "benchmarks/pipeline")
     assert "benchmarks" in bench_all.measured_paths("no such benchmark")  # unknown: any benchmark code counts
+    # code a benchmark imports from another folder is measured code too
+    assert "benchmarks/sharding_engines" in bench_all.measured_paths("memory")
+    cluster = bench_all.measured_paths("cluster")
+    assert {"benchmarks/load_balance", "benchmarks/mirrored"} <= set(cluster)
+    assert "benchmarks/pipeline" not in cluster
 
 
 def test_changed_since_reads_git():
