@@ -96,7 +96,7 @@ def bounds(arm: dict[str, Any], base: dict[str, Any], every: int, async_save: bo
 class Faults(harness.Benchmark):
     name = "faults"
     description = __doc__
-    defaults = {"repeats": 3, "steps": 50, "warmup": 5, "recovery_every": 20, "recovery_steps": 80}
+    defaults = {"repeats": 3, "steps": 100, "warmup": 5, "recovery_every": 20, "recovery_steps": 80}
     quick = {"repeats": 1, "steps": 20, "warmup": 2, "recovery_every": 5, "recovery_steps": 20}
 
     def meta(self, opts: Any) -> dict[str, Any]:
