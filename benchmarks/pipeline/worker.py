@@ -328,7 +328,8 @@ def run_ds(spec: dict[str, Any]) -> None:
 
 def leave(spec: dict[str, Any], rank: int, ranks: int) -> None:
     """Exit at once once every rank has written all its lines (rank 0 waits for them): the interpreter's and
-    Lightning's teardown measure nothing and took seconds per launch."""
+    Lightning's teardown measure nothing and took seconds per launch. It lives here, not in the harness: importing
+    ``benchmarks.harness`` loads Lightning, which the hand-written ranks never import."""
     done = Path(spec["out_dir"]) / f"done{rank}"
     done.touch()
     deadline = time.monotonic() + spec["dist_timeout"]
