@@ -9,6 +9,7 @@ from ds_lightning.demos.models import DigitsClassifier, make_mlp
 from ds_lightning.demos.report import TrainingReport
 from ds_lightning.demos.sample import TextSample
 from ds_lightning.demos.text import TextDataModule, decode, encode
+from ds_lightning.demos.tied_gpt import TiedGPT
 
 __all__ = [
     "GPT",
@@ -16,6 +17,7 @@ __all__ = [
     "DigitsDataModule",
     "TextDataModule",
     "TextSample",
+    "TiedGPT",
     "TrainingReport",
     "decode",
     "encode",

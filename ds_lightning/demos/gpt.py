@@ -138,12 +138,16 @@ class GPT(pl.LightningModule):
         number("weight_decay", weight_decay, "GPT(weight_decay=0.1)", at_least=0.0)
         self.save_hyperparameters()
         blocks = [_Block(d_model, n_head, dropout) for _ in range(n_layer)]
-        self.net = nn.Sequential(
-            _Embedding(block_size, d_model, dropout), *blocks, nn.LayerNorm(d_model), nn.Linear(d_model, _VOCAB)
-        )
+        self.net = self._build_net(blocks, d_model, block_size, dropout)
         self._init_weights(blocks, n_layer)
         self.val_ppl = Perplexity()
         self.test_ppl = Perplexity()
+
+    def _build_net(self, blocks: list[_Block], d_model: int, block_size: int, dropout: float) -> nn.Module:
+        # One tensor in, one out per element, nothing shared: the nn.Sequential contract of ds_pipeline.
+        return nn.Sequential(
+            _Embedding(block_size, d_model, dropout), *blocks, nn.LayerNorm(d_model), nn.Linear(d_model, _VOCAB)
+        )
 
     def _init_weights(self, blocks: list[_Block], n_layer: int) -> None:
         for module in self.net.modules():
