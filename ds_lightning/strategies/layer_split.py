@@ -1,4 +1,8 @@
-"""``ds_model_parallel``: one process splits an ``nn.Sequential`` across devices and feeds it GPipe micro-batches."""
+"""``ds_model_parallel``: one process splits a model across devices.
+
+Either an ``nn.Sequential`` cut into stages fed GPipe micro-batches, or the submodules of any module placed by a
+``device_map`` (the engine is :mod:`ds_lightning.device_map`).
+"""
 
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.data.resumable import DataCursor, position_loader
+from ds_lightning.device_map import DeviceHooks, check_device_map, devices_of, place
 from ds_lightning.pipeline.microbatch import MicroBatchedSequential
 from ds_lightning.pipeline.partition import check_balance, resolve_balance
 from ds_lightning.pipeline.profile import auto_balance
@@ -110,8 +115,32 @@ def _without_child(module: nn.Module, name: str) -> Iterator[None]:
         module._modules[name] = child
 
 
+def _check_map_options(device_map: object, n_microbatches: int, balance: object, checkpointing: object) -> None:
+    """device_map runs the module's own forward whole: the Sequential split's options have nothing to act on."""
+    for option, value, default in (
+        ("n_microbatches", n_microbatches, 1),
+        ("balance", balance, None),
+        ("activation_checkpointing", checkpointing, False),
+    ):
+        if value != default:
+            raise ValueError(
+                f"LayerSplitStrategy(device_map={device_map!r}, {option}={value!r}): {option} applies to the"
+                " nn.Sequential split, while device_map runs your module's own forward with its parts on their"
+                f" devices; drop {option}, or drop device_map to split an nn.Sequential."
+            )
+
+
+def _check_map_within(device_map: object, mapping: dict[str, torch.device], devices: list[torch.device]) -> None:
+    outside = sorted({str(d) for d in mapping.values() if d not in devices})
+    if outside:
+        raise ValueError(
+            f"device_map={device_map!r} uses {outside}, not in devices={[str(d) for d in devices]}; add them to"
+            " devices, or leave devices unset to use the map's own devices."
+        )
+
+
 class LayerSplitStrategy(SingleDeviceStrategy):
-    """Single-process model parallelism: the layers of an ``nn.Sequential`` are split across devices, GPipe-style.
+    """Single-process model parallelism: an ``nn.Sequential`` split GPipe-style, or any module by ``device_map``.
 
     The classic "first part on ``cuda:0``, second part on ``cuda:1``" split, plus micro-batching so the devices can
     work on different micro-batches at once (GPipe fill-drain order; CUDA kernels launch asynchronously). The
@@ -142,6 +171,12 @@ class LayerSplitStrategy(SingleDeviceStrategy):
         pipe_module: name of the LightningModule's ``nn.Sequential`` attribute to split.
         activation_checkpointing: keep only each stage's input per micro-batch and recompute the rest in the
             backward pass, trading compute for activation memory.
+        device_map: place submodules of ``pipe_module`` (any ``nn.Module``, not only an ``nn.Sequential``) by
+            qualified name, e.g. ``{"blocks.0": "cuda:0", "blocks.1": "cuda:1"}``, or ``"auto"`` to balance
+            parameter bytes against each device's free memory; unlisted tensors go with their nearest listed parent,
+            else to the root device. Without ``devices``, a map's own devices are used (lowest index first). Runs the
+            module's own forward whole, so ``n_microbatches``, ``balance`` and ``activation_checkpointing`` stay at
+            their defaults. See docs/model-parallel.md.
 
     Raises:
         ValueError: for any invalid option, naming the value and the fix.
@@ -162,8 +197,16 @@ class LayerSplitStrategy(SingleDeviceStrategy):
         balance: list[int] | Literal["auto"] | None = None,
         pipe_module: str = "net",
         activation_checkpointing: bool = False,
+        device_map: dict[str, str | int] | Literal["auto"] | None = None,
     ) -> None:
+        checked_map = check_device_map(device_map)
+        if checked_map is not None:
+            _check_map_options(device_map, n_microbatches, balance, activation_checkpointing)
+            if devices is None and checked_map != "auto":
+                devices = [str(d) for d in devices_of(checked_map)]
         stage_devices = _parse_devices(devices)
+        if isinstance(checked_map, dict):
+            _check_map_within(device_map, checked_map, stage_devices)
         _check_root_device(device, stage_devices)
         if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
             raise ValueError(
@@ -188,6 +231,9 @@ class LayerSplitStrategy(SingleDeviceStrategy):
         self.activation_checkpointing = activation_checkpointing
         self._balance_used: list[int] | None = None
         self._original: nn.Sequential | None = None
+        self.device_map = checked_map
+        self._device_hooks: DeviceHooks | None = None
+        self._device_map_used: dict[str, torch.device] | None = None
         #: Set by :class:`~ds_lightning.callbacks.BackupAndRestore`: where a restored run's training data goes on.
         self.data_cursor: DataCursor | None = None
 
@@ -222,6 +268,16 @@ class LayerSplitStrategy(SingleDeviceStrategy):
     def balance_used(self) -> list[int] | None:
         """Layers per stage of the latest setup (resolved from ``balance``), or ``None`` before the first setup."""
         return None if self._balance_used is None else list(self._balance_used)
+
+    @property
+    def device_map_used(self) -> dict[str, str] | None:
+        """The map of the latest setup (``"auto"``'s plan, or the given map), or ``None`` without ``device_map``."""
+        return None if self._device_map_used is None else {k: str(v) for k, v in self._device_map_used.items()}
+
+    @property
+    def device_hook_calls(self) -> dict[str, int]:
+        """Forward calls of each placed module (``""``: ``pipe_module`` itself) since the latest setup."""
+        return {} if self._device_hooks is None else dict(self._device_hooks.calls)
 
     @override
     def setup_environment(self) -> None:
@@ -315,6 +371,9 @@ class LayerSplitStrategy(SingleDeviceStrategy):
         """Split the pipe module (once per setup), put its stages on their devices and the rest on the root device."""
         module = self.lightning_module
         assert module is not None and self.model is not None, "the model must be connected before model_to_device()"
+        if self.device_map is not None:
+            self._place(module)
+            return
         if self._original is None:
             self._split(module)
         wrapped = module._modules[self.pipe_module]
@@ -325,6 +384,24 @@ class LayerSplitStrategy(SingleDeviceStrategy):
             for layer in layers:
                 layer.to(device)
 
+    def _place(self, module: LightningModule) -> None:
+        target = module._modules.get(self.pipe_module)
+        if target is None:
+            raise AttributeError(
+                f"ds_model_parallel places the submodules of `{type(module).__name__}.{self.pipe_module}` by"
+                " device_map, but it does not exist; name the attribute that holds your network with"
+                " LayerSplitStrategy(pipe_module=...)."
+            )
+        if self._device_hooks is not None:
+            self._device_hooks.detach()
+        assert self.device_map is not None and self.model is not None
+        # The rest first, then the placed module straight to its devices (it may not fit on the root device whole);
+        # in this order a submodule also reachable from outside `pipe_module` still ends where the map puts it.
+        with _without_child(module, self.pipe_module):
+            self.model.to(self.root_device)
+        self._device_hooks, self._device_map_used = place(target, self.device_map, self._stage_devices)
+        rank_zero_info(f"ds_model_parallel: `{self.pipe_module}` placed by device_map {self.device_map_used}")
+
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # calls model_to_device() after the precision plugin converted the module
@@ -334,6 +411,8 @@ class LayerSplitStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._device_hooks is not None:
+            self._device_hooks.detach()  # the call counts stay readable
         self._restore()
         super().teardown()  # moves the (restored) module and the optimizer states to the CPU
 
