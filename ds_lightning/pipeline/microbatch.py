@@ -8,9 +8,8 @@ evaluation batch, refusing or trimming training batches that do not split evenly
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -28,7 +27,7 @@ __all__ = [
     "MicroBatchedSequential",
     "check_divisible",
     "fit_loader",
-    "pad_rows",
+    "pad_inputs",
     "run_clocked",
     "scatter",
 ]
@@ -79,13 +78,15 @@ def check_divisible(rows: int, n_microbatches: int) -> None:
         )
 
 
-def pad_rows(x: Tensor, n_microbatches: int) -> Tensor:
-    """Repeat the last row until the rows are a multiple of ``n_microbatches`` (at least ``n_microbatches``)."""
-    rows = x.shape[0]
-    padded = max(n_microbatches, math.ceil(rows / n_microbatches) * n_microbatches)
-    if padded == rows:
-        return x
-    return torch.cat([x, x[-1:].expand(padded - rows, *x.shape[1:])])
+def pad_inputs(inputs: Sequence[Any], kwargs: Mapping[str, Any], rows: int) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Every batched tensor among ``inputs`` and ``kwargs`` with its last row repeated up to ``rows`` rows."""
+
+    def pad(value: Any) -> Any:
+        if not isinstance(value, Tensor) or value.dim() == 0 or value.shape[0] >= rows:
+            return value
+        return torch.cat([value, value[-1:].expand(rows - value.shape[0], *value.shape[1:])])
+
+    return tuple(pad(v) for v in inputs), {k: pad(v) for k, v in kwargs.items()}
 
 
 class DropPartialBatches:

@@ -6,22 +6,26 @@ gradients parked between ``training_step`` and ``backward``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
+from torch.distributed.pipelining.stage import _PipelineStageBase
 
 from ds_lightning.pipeline import microbatch
 from ds_lightning.pipeline.layout import PipelineLayout
 from ds_lightning.pipeline.mesh import PipelineGroups
 from ds_lightning.pipeline.schedules import ScheduleSpec, make_forward_only
-from ds_lightning.pipeline.stage import StageModule, TracedStage
+from ds_lightning.pipeline.stage import TracedStage
 from ds_lightning.pipeline.trace import SpanRecorder, render_timeline_png, write_chrome_trace
 
-__all__ = ["PipelineRuntime", "write_trace"]
+__all__ = ["PipelineRuntime", "StageFactory", "TiedWeight", "write_trace"]
+
+#: Builds torch's stage object for (stage index, stage module, recorder or None).
+StageFactory = Callable[[int, nn.Module, SpanRecorder | None], _PipelineStageBase]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32, torch.bool)
 _HEADER = 10  # ndim, dtype, up to 8 dims
@@ -30,13 +34,26 @@ _HEADER = 10  # ndim, dtype, up to 8 dims
 class _Pipeline:
     """The stages and schedule for one (mode, input shape); built lazily, identically on every rank of a pipeline."""
 
-    def __init__(self, stages: list[TracedStage], schedule: Any) -> None:
+    def __init__(self, stages: list[_PipelineStageBase], schedule: Any) -> None:
         self.schedule = schedule
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
         # The output's shape and dtype, learnt on the first step; like the activations torch infers once, they are
         # fixed for a given input shape.
         self.output_meta: tuple[list[int], torch.dtype] | None = None
+
+
+class TiedWeight:
+    """A weight that several stages use (a head tied to the embedding): its shape, and this process's copy if any."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, param: nn.Parameter | None, counted: bool = True) -> None:
+        self.shape, self.dtype, self.param = shape, dtype, param
+        # Whether this copy is the one gradient norms count: the copy of the weight's first stage.
+        self.counted = counted
+
+
+def _rows(inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    return next(t.shape[0] for t in [*inputs, *kwargs.values()] if isinstance(t, torch.Tensor))
 
 
 class PipelineRuntime:
@@ -51,12 +68,16 @@ class PipelineRuntime:
         device: this process's device.
         loss_fn: the training loss of one micro-batch, ``loss_fn(output, target)``.
         recorder: records the executed training schedule, or ``None``.
+        make_stage: builds torch's stage object; ``None`` for :class:`TracedStage` over a layer list.
+        microbatch_rows: a traced split's fixed micro-batch size: evaluation batches are padded to whole micro-batches
+            of it (shapes were fixed when tracing); ``None`` pads to a multiple of ``n_microbatches`` instead.
+        tied: weights whose gradients are summed over the pipeline's stages each step.
 
     """
 
     def __init__(
         self,
-        stages: dict[int, StageModule],
+        stages: Mapping[int, nn.Module],
         layout: PipelineLayout,
         spec: ScheduleSpec,
         n_microbatches: int,
@@ -64,6 +85,9 @@ class PipelineRuntime:
         device: torch.device,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         recorder: SpanRecorder | None = None,
+        make_stage: StageFactory | None = None,
+        microbatch_rows: int | None = None,
+        tied: Sequence[TiedWeight] = (),
     ) -> None:
         self.stages = stages
         self.layout = layout
@@ -73,6 +97,9 @@ class PipelineRuntime:
         self.device = device
         self.loss_fn = loss_fn
         self.recorder = recorder
+        self.make_stage = make_stage or self._layer_stage
+        self.microbatch_rows = microbatch_rows
+        self.tied = list(tied)
         self._pipelines: dict[tuple[Any, ...], _Pipeline] = {}
         self._warned_sizes: set[int] = set()
         self._fresh_grads: list[torch.Tensor | None] | None = None
@@ -80,18 +107,19 @@ class PipelineRuntime:
         owner = next(r for r in range(layout.pipeline_size) if last in layout.stage_indices(r, spec.style))
         self._output_source = dist.get_global_rank(groups.pipeline, owner)
 
-    def _pipeline(self, mode: str, shape: torch.Size, dtype: torch.dtype) -> _Pipeline:
-        key = (mode, tuple(shape), dtype, torch.is_inference_mode_enabled())
+    def _layer_stage(self, s: int, module: nn.Module, recorder: SpanRecorder | None) -> _PipelineStageBase:
+        return TracedStage(module, s, self.layout.stages, self.device, group=self.groups.pipeline, recorder=recorder)
+
+    def _pipeline(self, mode: str, inputs: Sequence[Any], kwargs: Mapping[str, Any], n_microbatches: int) -> _Pipeline:
+        shapes = tuple((tuple(t.shape), t.dtype) for t in [*inputs, *kwargs.values()] if isinstance(t, torch.Tensor))
+        key = (mode, shapes, tuple(kwargs), n_microbatches, torch.is_inference_mode_enabled())
         if key in self._pipelines:
             return self._pipelines[key]
         training = mode == "train"
         recorder = self.recorder if training else None
-        stages = [
-            TracedStage(module, s, self.layout.stages, self.device, group=self.groups.pipeline, recorder=recorder)
-            for s, module in self.stages.items()
-        ]
+        stages = [self.make_stage(s, module, recorder) for s, module in self.stages.items()]
         loss_fn = self.loss_fn if training else None
-        kwargs: dict[str, Any] = {"n_microbatches": self.n_microbatches, "loss_fn": loss_fn, "scale_grads": False}
+        kwargs = {"n_microbatches": n_microbatches, "loss_fn": loss_fn, "scale_grads": False}
         torch_class = self.spec.torch_class
         schedule = torch_class(stages, **kwargs) if self.spec.multi_stage else torch_class(stages[0], **kwargs)
         if not training and self.spec.style == "v":
@@ -122,10 +150,12 @@ class PipelineRuntime:
         pipeline.output_meta = (header[2 : 2 + int(header[0])].tolist(), _DTYPES[int(header[1])])
         return pipeline.output_meta
 
-    def _run(self, pipeline: _Pipeline, x: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self, pipeline: _Pipeline, inputs: Sequence[Any], kw: Mapping[str, Any], target: torch.Tensor | None
+    ) -> torch.Tensor:
         """Run the schedule and return the last stage's output on every stage of the pipeline."""
-        args = (x,) if pipeline.has_first else ()
-        kwargs: dict[str, Any] = {}
+        args = tuple(inputs) if pipeline.has_first else ()
+        kwargs: dict[str, Any] = dict(kw) if pipeline.has_first else {}
         if target is not None and pipeline.has_last:
             kwargs["target"] = target
         received, pending = None, None
@@ -156,20 +186,29 @@ class PipelineRuntime:
         pending.wait()
         return received
 
-    def evaluate(self, x: torch.Tensor) -> torch.Tensor:
-        """Forward-only pipeline; pads the rows to a multiple of the micro-batches and cuts the padding off again."""
-        rows = x.shape[0]
-        padded = microbatch.pad_rows(x, self.n_microbatches)
-        if padded.shape[0] != rows and rows not in self._warned_sizes:
+    def evaluate(self, *inputs: Any, **kw: Any) -> torch.Tensor:
+        """Forward-only pipeline; pads the rows to whole micro-batches and cuts the padding off again."""
+        rows = _rows(inputs, kw)
+        n = self.n_microbatches
+        if self.microbatch_rows is None:
+            target_rows = rows + (-rows) % n
+        else:
+            # A traced split's shapes are fixed: whole micro-batches of the traced size, at least n_microbatches.
+            n = max(n, -(-rows // self.microbatch_rows))
+            target_rows = n * self.microbatch_rows
+        inputs, kw = microbatch.pad_inputs(inputs, kw, target_rows)
+        if target_rows != rows and rows not in self._warned_sizes:
             self._warned_sizes.add(rows)
             rank_zero_info(
-                f"ds_pipeline: an evaluation batch of {rows} rows is padded to {padded.shape[0]} (a multiple of "
-                f"n_microbatches={self.n_microbatches}); the padding rows are cut from the outputs."
+                f"ds_pipeline: an evaluation batch of {rows} rows is padded to {target_rows} ({n} micro-batches); "
+                "the padding rows are cut from the outputs."
             )
-        pipeline = self._pipeline("eval", padded.shape, padded.dtype)
-        return self._run(pipeline, padded, None)[:rows]
+        pipeline = self._pipeline("eval", inputs, kw, n)
+        return self._run(pipeline, inputs, kw, None)[:rows]
 
-    def train(self, x: torch.Tensor, target: torch.Tensor, params: Sequence[nn.Parameter]) -> torch.Tensor:
+    def train(
+        self, inputs: Sequence[Any], kw: Mapping[str, Any], target: torch.Tensor, params: Sequence[nn.Parameter]
+    ) -> torch.Tensor:
         """Run forward and backward over the batch; its gradients are parked until :meth:`hand_over`.
 
         Lightning zeroes gradients after ``training_step`` and before ``backward``, so the schedule's new gradients
@@ -178,7 +217,14 @@ class PipelineRuntime:
         earlier = [p.grad for p in params]
         for p in params:
             p.grad = None
-        output = self._run(self._pipeline("train", x.shape, x.dtype), x, target)
+        rows = _rows(inputs, kw)
+        if self.microbatch_rows is not None and rows != self.microbatch_rows * self.n_microbatches:
+            raise RuntimeError(
+                f"A training batch of {rows} rows does not split into n_microbatches={self.n_microbatches} "
+                f"micro-batches of {self.microbatch_rows} rows, the size the model was traced with; a traced pipeline "
+                "keeps its shapes. Give every training batch the same size (DataLoader(drop_last=True))."
+            )
+        output = self._run(self._pipeline("train", inputs, kw, self.n_microbatches), inputs, kw, target)
         self._fresh_grads = [p.grad for p in params]
         for p, grad in zip(params, earlier, strict=True):
             p.grad = grad
@@ -198,6 +244,7 @@ class PipelineRuntime:
                 "backward per step has no new gradients to apply."
             )
         grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, fresh, strict=True)]
+        self._sum_tied(params, grads)
         replicas = self.layout.data_parallel_size
         if replicas > 1 and grads:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -206,6 +253,32 @@ class PipelineRuntime:
             grads = [chunk.view_as(g) for chunk, g in zip(flat.split([g.numel() for g in grads]), grads, strict=True)]
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad if p.grad is None else p.grad + grad
+
+    def duplicate_copies(self) -> list[nn.Parameter]:
+        """This process's copies of tied weights whose gradient an earlier stage's copy already counts (for norms)."""
+        return [w.param for w in self.tied if w.param is not None and not w.counted]
+
+    def _sum_tied(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor]) -> None:
+        """Sum the gradients of each tied weight's copies over the stages (collective over the pipeline).
+
+        Each stage holding a copy computed only its own use's gradient; the sum is the gradient of the one weight, as
+        Megatron does for tied embeddings, so the copies stay equal after every optimizer step.
+        """
+        if not self.tied:
+            return
+        position = {id(p): i for i, p in enumerate(params)}
+        parts = []
+        for weight in self.tied:
+            if weight.param is not None and id(weight.param) in position:
+                parts.append(grads[position[id(weight.param)]].reshape(-1))
+            else:
+                parts.append(torch.zeros(weight.shape.numel(), dtype=weight.dtype, device=self.device))
+        flat = torch.cat(parts)
+        dist.all_reduce(flat, group=self.groups.pipeline)
+        for weight, chunk in zip(self.tied, flat.split([w.shape.numel() for w in self.tied]), strict=True):
+            if weight.param is not None and id(weight.param) in position:
+                index = position[id(weight.param)]
+                grads[index] = chunk.view_as(grads[index])
 
 
 def write_trace(recorder: SpanRecorder, world_size: int, global_rank: int, path: str | None, title: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -11,7 +12,17 @@ from torch import nn
 
 from ds_lightning.pipeline.layout import PipelineLayout
 
-__all__ = ["check_contract", "check_every_rank_trains", "sample_input", "split_batch", "user_sequential"]
+__all__ = [
+    "as_call",
+    "check_contract",
+    "check_every_rank_trains",
+    "first_microbatch",
+    "is_traceable",
+    "sample_batch_input",
+    "sample_input",
+    "split_batch",
+    "user_sequential",
+]
 
 
 def user_sequential(module: LightningModule, attribute: str) -> nn.Sequential:
@@ -25,11 +36,16 @@ def user_sequential(module: LightningModule, attribute: str) -> nn.Sequential:
     if not isinstance(seq, nn.Sequential):
         found = "no such attribute" if seq is None else f"a {type(seq).__name__}"
         raise TypeError(
-            f"ds_pipeline splits the nn.Sequential `{type(module).__name__}.{attribute}`, but found "
-            f"{found}. Put the layers to pipeline in `self.{attribute} = nn.Sequential(...)`, or name the "
-            "attribute with PipelineStrategy(pipe_module=...)."
+            f"ds_pipeline splits the module `{type(module).__name__}.{attribute}`, but found {found}. Put the "
+            f"layers to pipeline in `self.{attribute}`: an nn.Sequential, or any module with a forward (traced and "
+            "cut by split_points); or name the attribute with PipelineStrategy(pipe_module=...)."
         )
     return seq
+
+
+def is_traceable(value: object) -> bool:
+    """Whether ``value`` is a module with its own ``forward`` (not a container such as ``nn.ModuleList``)."""
+    return isinstance(value, nn.Module) and type(value).forward is not nn.Module.forward
 
 
 def check_contract(module: LightningModule, attribute: str, fitting: bool) -> None:
@@ -76,8 +92,10 @@ def check_every_rank_trains(seq: nn.Sequential, ranges: list[range], layout: Pip
             )
 
 
-def split_batch(module: LightningModule, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+def split_batch(module: LightningModule, batch: Any) -> tuple[Any, torch.Tensor]:
     """A batch as ``(input, target)``, through ``module.pipeline_batch`` when the module defines it.
+
+    The input is a tensor, a tuple of tensors (positional inputs) or a dict of them (keyword inputs).
 
     Raises:
         TypeError: naming the batch's type and the method to define.
@@ -85,23 +103,51 @@ def split_batch(module: LightningModule, batch: Any) -> tuple[torch.Tensor, torc
     """
     split = getattr(module, "pipeline_batch", None)
     pair = split(batch) if callable(split) else batch
-    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not isinstance(pair[0], torch.Tensor):
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not _is_input(pair[0]):
         raise TypeError(
-            f"ds_pipeline needs each batch as (input, target), got {type(batch).__name__}; define "
-            f"`{type(module).__name__}.pipeline_batch(batch) -> (input, target)` to say how to split it."
+            f"ds_pipeline needs each batch as (input, target), the input a tensor, a tuple of tensors or a dict of "
+            f"them, got {type(batch).__name__}; define `{type(module).__name__}.pipeline_batch(batch) -> (input, "
+            "target)` to say how to split it."
         )
     return pair[0], pair[1]
 
 
-def sample_input(trainer: Trainer, module: LightningModule) -> torch.Tensor:
-    """The input ``balance="auto"`` profiles on: ``example_input_array``, else the first training batch's input.
+def _is_input(value: object) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    values = value.values() if isinstance(value, Mapping) else value if isinstance(value, (tuple, list)) else None
+    return values is not None and any(isinstance(v, torch.Tensor) for v in values)
+
+
+def as_call(inputs: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A batch's input as the positional and keyword arguments of the pipelined module's ``forward``."""
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def first_microbatch(args: tuple[Any, ...], kwargs: dict[str, Any], n_microbatches: int) -> tuple[Any, Any]:
+    """The first of ``n_microbatches`` micro-batches of the inputs: every tensor's leading rows, the rest as is."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return value[: value.shape[0] // n_microbatches]
+        return value
+
+    return tuple(cut(v) for v in args), {k: cut(v) for k, v in kwargs.items()}
+
+
+def sample_batch_input(trainer: Trainer, module: LightningModule, fix: str) -> Any:
+    """A sample input: ``example_input_array``, else the first training batch's input.
 
     Raises:
-        ValueError: when there is neither, naming both fixes.
+        ValueError: when there is neither, naming both fixes (``fix`` is the alternative to a sample).
 
     """
     sample = module.example_input_array
-    if isinstance(sample, torch.Tensor):
+    if sample is not None:
         return sample
     if trainer.state.fn == TrainerFn.FITTING:
         source = trainer.fit_loop._data_source
@@ -110,6 +156,18 @@ def sample_input(trainer: Trainer, module: LightningModule) -> torch.Tensor:
             batch = next(iter(loader))
             return split_batch(module, batch)[0]
     raise ValueError(
-        "balance='auto' profiles the layers on a sample input: set `self.example_input_array` in your "
-        "LightningModule, or give an explicit balance such as balance=[3, 2]."
+        f"ds_pipeline needs a sample input here: set `self.example_input_array` in your LightningModule, or {fix}."
     )
+
+
+def sample_input(trainer: Trainer, module: LightningModule) -> torch.Tensor:
+    """The input ``balance="auto"`` profiles an ``nn.Sequential`` on.
+
+    Raises:
+        ValueError: when there is none, naming the fixes.
+
+    """
+    sample = sample_batch_input(trainer, module, "give an explicit balance such as balance=[3, 2]")
+    if not isinstance(sample, torch.Tensor):
+        raise TypeError(f"An nn.Sequential pipeline takes one tensor input, but the sample is {type(sample).__name__}.")
+    return sample

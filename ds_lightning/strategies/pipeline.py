@@ -30,7 +30,9 @@ from typing_extensions import override
 from ds_lightning import _validation as check
 from ds_lightning.pipeline import microbatch, split
 from ds_lightning.pipeline import state as pipe_state
-from ds_lightning.pipeline.clipping import GlobalNormPrecision
+from ds_lightning.pipeline.checkpoints import StageCheckpoints
+from ds_lightning.pipeline.clipping import GlobalNormPrecision, check_pipeline_precision
+from ds_lightning.pipeline.graph_split import check_split_points
 from ds_lightning.pipeline.layout import PipelineLayout
 from ds_lightning.pipeline.mesh import PipelineGroups, build_groups
 from ds_lightning.pipeline.partition import check_balance, resolve_balance, stage_layer_ranges
@@ -43,8 +45,9 @@ from ds_lightning.pipeline.schedules import (
     resolve_stages_per_rank,
     schedule_spec,
 )
-from ds_lightning.pipeline.stage import PipelinedSequential, StageModule
+from ds_lightning.pipeline.stage import PipelinedModule, StageModule
 from ds_lightning.pipeline.trace import SpanRecorder
+from ds_lightning.pipeline.traced_setup import TracedSplitting
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
 from ds_lightning.strategies.capabilities import StrategyCapabilities
@@ -56,18 +59,21 @@ __all__ = ["PipelineStrategy"]
 _RECOMPUTE_TWICE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
-class PipelineStrategy(ClusterStrategy):
-    """Pipeline model parallelism: the model's ``nn.Sequential`` is split into stages, one device per stage.
+class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
+    """Pipeline model parallelism: the model is split into stages, one device per stage.
 
     Built on ``torch.distributed.pipelining``: each process wraps its stage in a ``PipelineStage`` and a torch schedule
     (``GPipe``, ``1F1B``, interleaved and zero-bubble variants) moves micro-batches between processes. With
     ``data_parallel_size > 1`` the whole pipeline is replicated and each stage's gradients are averaged across its
     replicas.
 
-    The LightningModule's contract: the part to pipeline is the ``nn.Sequential`` attribute named ``pipe_module``; the
-    last stage computes the loss with ``module.pipeline_loss(output, target)``; a batch is ``(input, target)`` unless
-    the module defines ``pipeline_batch(batch) -> (input, target)``. The ordinary ``training_step`` still runs on every
-    rank and sees the pipeline's output, so what it logs reaches the progress bar and loggers as usual.
+    The LightningModule's contract: the part to pipeline is the attribute named ``pipe_module``, an ``nn.Sequential``
+    cut by layer counts or any module traced by torch's tracer and cut before named submodules (``split_points``);
+    the last stage computes the loss with ``module.pipeline_loss(output, target)``; a batch is ``(input, target)``
+    unless the module defines ``pipeline_batch(batch) -> (input, target)``, the input a tensor, or for a traced module
+    a tuple or dict of them. Precision is ``32-true``, ``bf16-mixed`` or ``bf16-true``. The ordinary ``training_step``
+    still runs on every rank and sees the pipeline's output, so what it logs reaches the progress bar and loggers as
+    usual.
 
     The arguments ``DDPStrategy`` takes come first, in its positions (see
     :class:`~ds_lightning.strategies.ClusterStrategy`); those about torch's DDP wrapper are refused, since stage
@@ -92,7 +98,13 @@ class PipelineStrategy(ClusterStrategy):
         n_microbatches: micro-batches each batch is split into; the batch size must be a multiple of it.
         balance: layers per stage: ``None`` for equal counts, a list with one count per stage, or ``"auto"`` to
             profile each layer's time on a sample batch and minimise the slowest stage.
-        pipe_module: name of the LightningModule's ``nn.Sequential`` attribute to pipeline.
+        pipe_module: name of the LightningModule's attribute to pipeline: an ``nn.Sequential``, or any module when
+            it is traced (``split_points``).
+        split_points: trace ``pipe_module`` with torch's tracer and cut it before these submodules (e.g.
+            ``["blocks.2"]``), or ``"auto"`` to cut the children of its largest ``nn.ModuleList`` by ``balance``
+            (equal counts, counts per stage, or ``"auto"`` for measured time). ``None`` traces with ``"auto"`` when
+            ``pipe_module`` is not an ``nn.Sequential``. Stages may pass several tensors; a weight used on two stages
+            (a tied head) stays one weight, its gradient summed over them.
         activation_checkpointing: recompute each stage's activations in the backward pass instead of storing them.
         data_parallel_size: replicas of the whole pipeline; world size must be stages x replicas (``-1`` infers it).
         stages_per_rank: stages each process runs; ``None`` picks 2 for interleaved and V-shaped schedules, else 1.
@@ -126,6 +138,7 @@ class PipelineStrategy(ClusterStrategy):
         n_microbatches: int = 4,
         balance: list[int] | Literal["auto"] | None = None,
         pipe_module: str = "net",
+        split_points: list[str] | Literal["auto"] | None = None,
         activation_checkpointing: bool = False,
         data_parallel_size: int = 1,
         stages_per_rank: int | None = None,
@@ -139,6 +152,12 @@ class PipelineStrategy(ClusterStrategy):
         check.identifier(
             "pipe_module", pipe_module, "pipe_module='net' for the LightningModule's `self.net = nn.Sequential(...)`"
         )
+        split_points = check_split_points(split_points)
+        if isinstance(split_points, list) and balance is not None:
+            raise ValueError(
+                f"balance={balance!r} and split_points={split_points!r} both say where to cut; give one, or "
+                "split_points='auto' with balance to cut the model's ModuleList by counts or measured time."
+            )
         check.flag("activation_checkpointing", activation_checkpointing)
         if data_parallel_size != -1:
             check.integer("data_parallel_size", data_parallel_size, 1, "PipelineStrategy(data_parallel_size=2)")
@@ -164,6 +183,7 @@ class PipelineStrategy(ClusterStrategy):
         self.n_microbatches = n_microbatches
         self.balance = balance
         self.pipe_module = pipe_module
+        self.split_points = split_points
         self.activation_checkpointing = activation_checkpointing
         self.data_parallel_size = data_parallel_size
         self.stages_per_rank = stages_per_rank
@@ -176,9 +196,11 @@ class PipelineStrategy(ClusterStrategy):
         # Kept after teardown: trainer.save_checkpoint() after fit() still consolidates the stages' optimizers.
         self._param_names: list[str] = []
         self._full_groups: list[list[list[str]]] = []
-        self._full: nn.Sequential | None = None
-        self._proxy: PipelinedSequential | None = None
+        self._full: nn.Module | None = None
+        self._proxy: PipelinedModule | None = None
         self._runtime: PipelineRuntime | None = None
+        self._canonical: dict[str, str] = {}
+        self._names: dict[nn.Parameter, str] = {}
 
     @classmethod
     @override
@@ -194,6 +216,8 @@ class PipelineStrategy(ClusterStrategy):
         """Stages x replicas of this run (available once the world size is known)."""
         if self._layout is None:
             stages = len(self.balance) if isinstance(self.balance, list) else -1
+            if isinstance(self.split_points, list):
+                stages = len(self.split_points) + 1
             layout = PipelineLayout(self.world_size, self.data_parallel_size, self.stages_per_rank, stages)
             check_microbatches(self.schedule, self.n_microbatches, layout.stages, layout.pipeline_size)
             self._layout = layout
@@ -240,24 +264,20 @@ class PipelineStrategy(ClusterStrategy):
             return resolve_balance(len(seq), stages, self.balance)
         resolve_balance(len(seq), stages, None)
         sample = split.sample_input(trainer, module)
-
-        def average(costs: list[float]) -> list[float]:
-            # Timings differ per process; averaging them makes every rank choose the same split.
-            summed = torch.tensor(costs, dtype=torch.float64, device=self.root_device)
-            dist.all_reduce(summed)
-            return (summed / self.world_size).tolist()
-
-        balance, table = auto_balance(list(seq), sample, self.root_device, stages, agree=average)
+        balance, table = auto_balance(list(seq), sample, self.root_device, stages, agree=self._average_costs)
         rank_zero_info(f"ds_pipeline: balance='auto' chose {balance} ({table})")
         return balance
 
     def _split(self, trainer: Trainer, module: LightningModule) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING
         current = getattr(module, self.pipe_module, None)
-        previous = self._full if isinstance(current, PipelinedSequential) else None
-        seq = previous if previous is not None else split.user_sequential(module, self.pipe_module)
+        whole = self._full if isinstance(current, PipelinedModule) else current
+        if split.is_traceable(whole) and (self.split_points is not None or not isinstance(whole, nn.Sequential)):
+            return self._split_traced(trainer, module, cast(nn.Module, whole), fitting)
+        seq = split.user_sequential(module, self.pipe_module) if whole is current else cast(nn.Sequential, whole)
         setattr(module, self.pipe_module, seq)  # a repeated setup starts from the whole model again
         split.check_contract(module, self.pipe_module, fitting)
+        self._canonical = {}
         balance = self.balance_used = self._resolve_balance(trainer, module, seq)
         ranges = stage_layer_ranges(balance)
         if fitting:
@@ -277,7 +297,7 @@ class PipelineStrategy(ClusterStrategy):
         self._runtime = PipelineRuntime(
             stages, self.layout, self._spec, self.n_microbatches, self._groups, self.root_device, self._scaled_loss
         )
-        self._proxy = PipelinedSequential({i: seq[i] for s in stage_ids for i in ranges[s]}, self._runtime.evaluate)
+        self._proxy = PipelinedModule({i: seq[i] for s in stage_ids for i in ranges[s]}, self._runtime.evaluate)
         setattr(module, self.pipe_module, self._proxy)
 
     def _sync_replicas(self) -> None:
@@ -294,18 +314,15 @@ class PipelineStrategy(ClusterStrategy):
     def setup(self, trainer: Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        if type(self.precision_plugin) is not Precision and not isinstance(self.precision_plugin, GlobalNormPrecision):
-            raise ValueError(
-                f"ds_pipeline runs in 32-bit precision for now, but the Trainer chose "
-                f"{type(self.precision_plugin).__name__}; remove `precision=` from the Trainer (or set '32-true')."
-            )
+        inner = check_pipeline_precision(self.precision_plugin)
         module = self.lightning_module
+        inner.convert_module(module)  # before the split: bf16-true stages are traced and sized in bf16
         self._split(trainer, module)
         module.to(self.root_device)
         self.model = module
         self._sync_replicas()
         assert self._groups is not None and self._runtime is not None
-        self._precision_plugin = GlobalNormPrecision(self._groups.pipeline)
+        self._precision_plugin = GlobalNormPrecision(self._groups.pipeline, inner, self._runtime.duplicate_copies())
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
             self._full_groups = pipe_state.gather_full_groups(
@@ -322,10 +339,6 @@ class PipelineStrategy(ClusterStrategy):
         if self.trace_path is not None and trainer.state.fn == TrainerFn.FITTING:
             self._recorder = SpanRecorder(self.global_rank, steps=self.trace_steps, skip_steps=1)
             self._runtime.recorder = self._recorder
-
-    def _names_by_param(self) -> dict[nn.Parameter, str]:
-        assert self.lightning_module is not None
-        return {p: name for name, p in self.lightning_module.named_parameters()}
 
     # --- the training step ----------------------------------------------------------------------------------------
 
@@ -348,11 +361,15 @@ class PipelineStrategy(ClusterStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         assert module is not None and self._proxy is not None and self._runtime is not None
-        x, target = split.split_batch(module, args[0] if args else kwargs["batch"])
-        microbatch.check_divisible(x.shape[0], self.n_microbatches)
+        inputs, target = split.split_batch(module, args[0] if args else kwargs["batch"])
+        call_args, call_kwargs = split.as_call(self.precision_plugin.convert_input(inputs))
+        rows = next(t.shape[0] for t in [*call_args, *call_kwargs.values()] if isinstance(t, torch.Tensor))
+        microbatch.check_divisible(rows, self.n_microbatches)
         if self._recorder is not None:
             self._recorder.begin_step(module.trainer.global_step)
-        self._proxy.prime(self._runtime.train(x, target, self._local_parameters()))
+        with self._pipeline_precision.schedule_context():
+            output = self._runtime.train(call_args, call_kwargs, target, self._local_parameters())
+        self._proxy.prime(output)
         try:
             return super().training_step(*args, **kwargs)
         finally:
@@ -365,19 +382,28 @@ class PipelineStrategy(ClusterStrategy):
         self._runtime.hand_over(self._local_parameters())
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
+    @property
+    def _pipeline_precision(self) -> GlobalNormPrecision:
+        assert isinstance(self.precision_plugin, GlobalNormPrecision)
+        return self.precision_plugin
+
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._eval_step():
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self._eval_step(), self._pipeline_precision.schedule_context():
             return self.lightning_module.validation_step(*args, **kwargs)  # type: ignore[union-attr]
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self._eval_step():
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self._eval_step(), self._pipeline_precision.schedule_context():
             return self.lightning_module.test_step(*args, **kwargs)  # type: ignore[union-attr]
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self.lightning_module.predict_step(*args, **kwargs)  # type: ignore[union-attr]
+        args, kwargs = self.precision_plugin.convert_input((args, kwargs))
+        with self._pipeline_precision.schedule_context():
+            return self.lightning_module.predict_step(*args, **kwargs)  # type: ignore[union-attr]
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
@@ -386,32 +412,6 @@ class PipelineStrategy(ClusterStrategy):
         if trainer is None or not trainer.training:
             return dataloader
         return microbatch.fit_loader(dataloader, self.n_microbatches, "ds_pipeline")
-
-    # --- checkpoints: consolidated by parameter name, so they load under any layout ---------------------------------
-
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None
-        local = self.lightning_module.state_dict()
-        if self._full is None or not dist.is_initialized():
-            return {k: v.detach().cpu() for k, v in local.items()}
-        return pipe_state.merged_state_dict(local, self.world_size, self.layout.pipeline_size)
-
-    @override
-    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        raw = getattr(optimizer, "_optimizer", optimizer)
-        index = next(i for i, opt in enumerate(self.optimizers) if opt is raw or opt is optimizer)
-        named = pipe_state.named_cpu_state(raw, self._names_by_param())
-        stages = pipe_state.gather_stages(named, self.world_size, self.layout.pipeline_size)
-        return pipe_state.consolidate(stages, self._full_groups[index])
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        names = self._names_by_param()
-        for index, (optimizer, full) in enumerate(zip(self.optimizers, checkpoint["optimizer_states"], strict=False)):
-            local_groups = pipe_state.group_names(optimizer, names)
-            optimizer.load_state_dict(pipe_state.localize(full, self._full_groups[index], local_groups))
-            _optimizers_to_device([optimizer], self.root_device)
 
     # --- end of training ------------------------------------------------------------------------------------------
 
