@@ -6,6 +6,7 @@
 from ds_lightning.data.eval_shards import EvalShardError
 from ds_lightning.environments import TFConfigEnvironment, TFConfigError
 from ds_lightning.parameter_server import ServerLostError
+from ds_lightning.pipeline.graph_split import TracingRefused
 from ds_lightning.strategies import (
     ClusterStrategy,
     LayerSplitStrategy,
@@ -30,6 +31,7 @@ __all__ = [
     "ShapingUnsupportedError",
     "TFConfigEnvironment",
     "TFConfigError",
+    "TracingRefused",
     "__version__",
     "available_strategies",
 ]

@@ -4,7 +4,8 @@ torch's ``fully_shard(reshard_after_forward=False)`` replaces DDP: every paramet
 first dimension over all ranks (a 1-D ``DeviceMesh`` on the default process group), so each rank keeps and steps 1/N of
 every parameter's optimizer state, not 1/N of the parameters picked whole as ZeRO-1 does. Each step all-gathers the
 parameters once (in the forward; they stay whole through the backward) and reduce-scatters the gradients once, in
-place of DDP's all-reduce and ZeRO's broadcasts.
+place of DDP's all-reduce and ZeRO's broadcasts. ``shard_parameters=True`` (:mod:`ds_lightning.sharding.zero3`) runs
+the same engine with finer units that free their parameters after the forward and gather them again in the backward.
 
 Wrapping (:func:`shard_module`): each :func:`shard_units` module, then the LightningModule itself (the root, which
 owns any parameters left over and must run its forward hooks first: the strategy routes ``training_step`` and the
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.optim import Optimizer
 
 from ds_lightning.sharding.optimizer_layout import named_state, numbered_state
@@ -65,8 +66,12 @@ def check_sharding_engine(
     ddp_comm_hook: object,
     hierarchical: object,
     model_averaging_period: object,
+    shard_parameters: bool = False,
 ) -> str:
     """Validate ``sharding_engine`` against the strategy's other options, naming the bad value and the fix.
+
+    ``sharding_engine`` and ``shard_optimizer_state`` are the values to run, after
+    :func:`~ds_lightning.sharding.zero3.resolve_parameter_sharding` (``shard_parameters=True`` sets both).
 
     Returns:
         ``sharding_engine``.
@@ -79,8 +84,8 @@ def check_sharding_engine(
     if sharding_engine not in SHARDING_ENGINES:
         raise ValueError(
             f"sharding_engine={sharding_engine!r} is not a choice: use 'zero' (torch's ZeroRedundancyOptimizer"
-            " behind DDP) or 'fsdp2' (torch's fully_shard), e.g. MirroredStrategy(shard_optimizer_state=True,"
-            " sharding_engine='fsdp2')."
+            " behind DDP), 'fsdp2' (torch's fully_shard) or 'auto' (fsdp2 under shard_parameters=True, else zero),"
+            " e.g. MirroredStrategy(shard_optimizer_state=True, sharding_engine='fsdp2')."
         )
     if sharding_engine == "zero":
         return sharding_engine
@@ -101,11 +106,12 @@ def check_sharding_engine(
             "no model_averaging_period",
         ),
     )
+    engine = "shard_parameters=True" if shard_parameters else "sharding_engine='fsdp2'"
+    other = "shard_parameters=False and sharding_engine='zero'" if shard_parameters else "sharding_engine='zero'"
     for name, value, bad, keep in refused:
         if bad:
             raise ValueError(
-                f"sharding_engine='fsdp2' cannot run {name}={value!r}: {why}. Use {keep} with sharding_engine='fsdp2',"
-                f" or keep {name} with sharding_engine='zero'."
+                f"{engine} cannot run {name}={value!r}: {why}. Use {keep} with {engine}, or keep {name} with {other}."
             )
     return sharding_engine
 
@@ -133,12 +139,24 @@ def is_fully_sharded(module: object) -> bool:
     return isinstance(module, FSDPModule)
 
 
-def shard_module(module: nn.Module, device: torch.device) -> nn.Module:
-    """Apply ``fully_shard(reshard_after_forward=False)`` to every :func:`shard_units` module, then to ``module``.
+def shard_module(
+    module: nn.Module,
+    device: torch.device,
+    *,
+    units: Sequence[nn.Module] | None = None,
+    reshard_after_forward: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+) -> nn.Module:
+    """Apply ``fully_shard`` to every unit (by default :func:`shard_units`), then to ``module`` (the root).
 
     Call on every rank of the default process group, after the module is on ``device`` and before its optimizers
     exist (they must hold the sharded parameters). Rank 0's parameters and buffers are broadcast first, as DDP does,
     so every rank shards the same model. In place; returns ``module`` (already sharded: unchanged).
+
+    ``reshard_after_forward=True`` (parameter sharding, :mod:`ds_lightning.sharding.zero3`) applies to the units
+    only: the root's parameters (embeddings, a tied head) are the first the backward needs, so freeing them after
+    the forward would only gather them again at once; every unit, the root included, reshards after the backward.
     """
     if is_fully_sharded(module):
         return module
@@ -146,9 +164,12 @@ def shard_module(module: nn.Module, device: torch.device) -> nn.Module:
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=0)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    for unit in shard_units(module):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=False)
-    fully_shard(module, mesh=mesh, reshard_after_forward=False)
+    mixed, offload = mp_policy or MixedPrecisionPolicy(), offload_policy or OffloadPolicy()
+    for unit in shard_units(module) if units is None else units:
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mixed, offload_policy=offload
+        )
+    fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=mixed, offload_policy=offload)
     return module
 
 

@@ -5,7 +5,8 @@ is the base's), so ``ds_mirrored``'s own file keeps only the option. The pieces 
 ``ModelParallelStrategy`` and ``DDPStrategy``:
 
 - set-up: ``fully_shard`` in place of the DDP wrap (the LightningModule stays ``strategy.model``), then the optimizers,
-  so they hold the sharded ``DTensor`` parameters;
+  so they hold the sharded ``DTensor`` parameters; under :attr:`shard_parameters` finer units that reshard after their
+  forward, with the precision and offload policies of :mod:`ds_lightning.sharding.zero3`;
 - steps: ``training_step`` (and validation, test, predict) run through the root's ``__call__`` (Lightning's forward
   redirection), so FSDP's root hooks gather the parameters before any child runs;
 - accumulation: ``set_requires_gradient_sync(False)`` where DDP would take ``no_sync()``;
@@ -25,11 +26,16 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_lightning.sharding import fsdp2
+from ds_lightning.sharding import fsdp2, zero3
 
 
 class FullyShardedSteps(DDPStrategy):
     """Overrides for a DDP-based strategy that runs FSDP2 instead when :attr:`_fully_sharding` is on."""
+
+    #: Parameters (not only the optimizer state) 1/N per rank between uses; set by the strategy's constructor.
+    shard_parameters: bool = False
+    #: Sharded parameters and optimizer state in host memory (with :attr:`shard_parameters`).
+    cpu_offload: bool = False
 
     @property
     def _fully_sharding(self) -> bool:
@@ -47,7 +53,25 @@ class FullyShardedSteps(DDPStrategy):
             super().configure_ddp()
             return
         assert isinstance(self.model, pl.LightningModule)
-        self.model = fsdp2.shard_module(self.model, self.root_device)
+        if not self.shard_parameters:
+            self.model = fsdp2.shard_module(self.model, self.root_device)
+            return
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        mp_policy, offload_policy = zero3.fully_shard_policies(precision, self.root_device, self.cpu_offload)
+        self.model = fsdp2.shard_module(
+            self.model,
+            self.root_device,
+            units=zero3.parameter_units(self.model),
+            reshard_after_forward=True,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+        )
+
+    @override
+    def model_to_device(self) -> None:
+        if self._sharded_now and self.cpu_offload:
+            return  # the shards live in host memory on purpose; FSDP copies each unit to the device when gathering
+        super().model_to_device()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -30,11 +30,12 @@ from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
 from ds_lightning.data.eval_shards import uneven_batch_counts
 from ds_lightning.data.even_batches import even_batches
 from ds_lightning.sharding import (
-    ShardingEngine,
+    ShardingEngineSetting,
     check_sharding_engine,
     check_sharding_options,
     consolidated_state,
     load_sharded_states,
+    resolve_parameter_sharding,
     shard_optimizers,
 )
 from ds_lightning.strategies._fsdp2_mixin import FullyShardedSteps
@@ -103,7 +104,15 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         sharding_engine: under ``shard_optimizer_state=True``: ``"zero"`` (ZeRO stage 1, torch's
             ``ZeroRedundancyOptimizer`` behind DDP: whole tensors per rank, composes with every DDP option) or
             ``"fsdp2"`` (torch's ``fully_shard`` instead of DDP: every tensor split over the ranks; no gradient
-            compression, comm hooks, two-level all-reduce, model averaging or load balancing).
+            compression, comm hooks, two-level all-reduce, model averaging or load balancing). ``"auto"`` (the
+            default) is ``"fsdp2"`` under ``shard_parameters=True`` and ``"zero"`` otherwise.
+        shard_parameters: ZeRO stage 3: parameters, gradients and optimizer state are each 1/N per rank between
+            uses (the fsdp2 engine, each block gathered for its forward and again for its backward). Implies
+            ``shard_optimizer_state=True`` and ``sharding_engine="fsdp2"`` (``"zero"`` is refused). Under
+            ``precision="bf16-mixed"`` blocks gather bf16 parameters and reduce fp32 gradients (see
+            :mod:`ds_lightning.sharding.zero3`).
+        cpu_offload: with ``shard_parameters=True``: sharded parameters, gradients and optimizer state live in host
+            memory (torch's ``CPUOffloadPolicy``); the optimizer steps on the CPU.
         hierarchical: two-level all-reduce: reduce inside each host, all-reduce between hosts' leaders (compressed
             there only, when ``gradient_compression`` is set), broadcast inside the host. ``"auto"`` uses it with more
             than one host and more than one process on some host; ``True`` does the same (flat with one host);
@@ -143,11 +152,16 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         gradient_as_bucket_view: bool = True,
         even_batches: bool = True,
         shard_optimizer_state: bool = False,
-        sharding_engine: ShardingEngine = "zero",
+        sharding_engine: ShardingEngineSetting = "auto",
         hierarchical: HierarchicalSetting = "auto",
+        shard_parameters: bool = False,
+        cpu_offload: bool = False,
         **kwargs: Any,
     ) -> None:
         method = get(gradient_compression, use="all_reduce")
+        shard_optimizer_state, sharding_engine = resolve_parameter_sharding(
+            shard_parameters, cpu_offload, shard_optimizer_state, sharding_engine
+        )
         check_sharding_engine(
             sharding_engine,
             shard_optimizer_state,
@@ -155,6 +169,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             ddp_comm_hook=ddp_comm_hook,
             hierarchical=hierarchical,
             model_averaging_period=model_averaging_period,
+            shard_parameters=shard_parameters,
         )
         check_sharding_options(shard_optimizer_state, model_averaging_period)
         if ddp_comm_hook is not None and not method.builtin:
@@ -210,6 +225,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         self.even_batches = even_batches
         self.shard_optimizer_state = shard_optimizer_state
         self.sharding_engine = sharding_engine
+        self.shard_parameters, self.cpu_offload = shard_parameters, cpu_offload
         self.hierarchical = hierarchical
         self._pending_compression_state: dict[str, Any] | None = None
         self._train_loader_factory: Callable[[Any], Any] | None = None
@@ -258,7 +274,8 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         if self._fully_sharding:
             raise ValueError(
                 "Balancing batches weights each rank's gradients in ds_mirrored's DDP comm hook, but"
-                " sharding_engine='fsdp2' replaces DDP; use sharding_engine='zero' or remove the DynamicLoadBalancer."
+                " sharding_engine='fsdp2' replaces DDP; use sharding_engine='zero' (with shard_parameters=False) or"
+                " remove the DynamicLoadBalancer."
             )
         if self._ddp_comm_hook is not None:
             raise ValueError(
