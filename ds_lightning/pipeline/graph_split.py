@@ -209,9 +209,14 @@ class GraphSplit:
         weights = []
         for group in self.tied:
             whole = module.get_parameter(next(iter(group.values())))
-            mine = next((self.local_parameters[n] for s, n in group.items() if s in self.stage_modules), None)
-            param = mine if isinstance(mine, nn.Parameter) else None
-            weights.append(TiedWeight(whole.shape, whole.dtype, param, counted=min(group) in self.stage_modules))
+            copies: dict[int, nn.Parameter] = {}
+            for s, name in sorted(group.items()):
+                tensor = self.local_parameters.get(name)
+                if s in self.stage_modules and isinstance(tensor, nn.Parameter):
+                    copies.setdefault(id(tensor), tensor)
+            ordered = list(copies.values())
+            first_here = min(group) in self.stage_modules
+            weights.append(TiedWeight(whole.shape, whole.dtype, ordered, ordered[1:] if first_here else ordered))
         return weights
 
     def check_every_rank_trains(self, layout: PipelineLayout, style: str) -> None:

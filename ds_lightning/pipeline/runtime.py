@@ -44,12 +44,25 @@ class _Pipeline:
 
 
 class TiedWeight:
-    """A weight that several stages use (a head tied to the embedding): its shape, and this process's copy if any."""
+    """A weight that several stages use (a head tied to the embedding): its shape, and this process's copies.
 
-    def __init__(self, shape: torch.Size, dtype: torch.dtype, param: nn.Parameter | None, counted: bool = True) -> None:
-        self.shape, self.dtype, self.param = shape, dtype, param
-        # Whether this copy is the one gradient norms count: the copy of the weight's first stage.
-        self.counted = counted
+    Args:
+        shape: the weight's shape.
+        dtype: its dtype.
+        copies: this process's copies, one per local stage that uses it (none when no stage here does).
+        duplicates: the copies gradient norms must skip: all but the copy of the weight's first stage.
+
+    """
+
+    def __init__(
+        self,
+        shape: torch.Size,
+        dtype: torch.dtype,
+        copies: Sequence[nn.Parameter] = (),
+        duplicates: Sequence[nn.Parameter] = (),
+    ) -> None:
+        self.shape, self.dtype = shape, dtype
+        self.copies, self.duplicates = list(copies), list(duplicates)
 
 
 def _rows(inputs: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
@@ -256,7 +269,7 @@ class PipelineRuntime:
 
     def duplicate_copies(self) -> list[nn.Parameter]:
         """This process's copies of tied weights whose gradient an earlier stage's copy already counts (for norms)."""
-        return [w.param for w in self.tied if w.param is not None and not w.counted]
+        return [p for w in self.tied for p in w.duplicates]
 
     def _sum_tied(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor]) -> None:
         """Sum the gradients of each tied weight's copies over the stages (collective over the pipeline).
@@ -269,16 +282,19 @@ class PipelineRuntime:
         position = {id(p): i for i, p in enumerate(params)}
         parts = []
         for weight in self.tied:
-            if weight.param is not None and id(weight.param) in position:
-                parts.append(grads[position[id(weight.param)]].reshape(-1))
-            else:
-                parts.append(torch.zeros(weight.shape.numel(), dtype=weight.dtype, device=self.device))
+            # Two stages on this process (a V schedule) each hold a copy: their gradients are summed here first.
+            part = torch.zeros(weight.shape.numel(), dtype=weight.dtype, device=self.device)
+            for copy in weight.copies:
+                if id(copy) in position:
+                    part += grads[position[id(copy)]].reshape(-1)
+            parts.append(part)
         flat = torch.cat(parts)
         dist.all_reduce(flat, group=self.groups.pipeline)
         for weight, chunk in zip(self.tied, flat.split([w.shape.numel() for w in self.tied]), strict=True):
-            if weight.param is not None and id(weight.param) in position:
-                index = position[id(weight.param)]
-                grads[index] = chunk.view_as(grads[index])
+            for copy in weight.copies:
+                if id(copy) in position:
+                    index = position[id(copy)]
+                    grads[index] = chunk.view_as(grads[index]).clone()
 
 
 def write_trace(recorder: SpanRecorder, world_size: int, global_rank: int, path: str | None, title: str) -> None:

@@ -41,6 +41,7 @@ class TracedSplitting(_StrategyBase):
     balance_used: list[int] | None
     n_microbatches: int
     activation_checkpointing: bool
+    schedule: str
     _spec: ScheduleSpec
     _groups: PipelineGroups | None
     _canonical: dict[str, str]
@@ -60,6 +61,14 @@ class TracedSplitting(_StrategyBase):
         def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor: ...
 
     def _split_traced(self, trainer: Trainer, module: LightningModule, net: nn.Module, fitting: bool) -> None:
+        if self._spec.style == "v":
+            # torch 2.13's graph stages send between the two stages a V puts on one process over the network, to
+            # the process itself, which gloo refuses ("Pair is not connected"); layer-list stages do not.
+            raise ValueError(
+                f"schedule={self.schedule!r} places two stages of a V on each process, which torch 2.13's traced "
+                "stages cannot run; use schedule='1F1B', 'Interleaved1F1B' or 'InterleavedZeroBubble' with a traced "
+                "module, or make the model an nn.Sequential."
+            )
         setattr(module, self.pipe_module, net)
         split.check_contract(module, self.pipe_module, fitting)
         self._canonical = canonical_names(module)

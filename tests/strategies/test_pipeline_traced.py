@@ -39,7 +39,7 @@ def launch(root: Path, name: str, ranks: int, runs: list[dict[str, Any]]) -> Non
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("traced")
-    names = ("tied2", "hf2", "ckpt2", "bf16_mixed", "bf16_true", "tied4", "hf4", "resume4")
+    names = ("tied2", "hf2", "ckpt2", "bf16_mixed", "bf16_true", "interleaved", "tied4", "hf4", "resume4", "dp2")
     out = {name: str(root / f"{name}.pt") for name in names}
     ckpt = str(root / "two_stages.ckpt")
     launch(
@@ -67,6 +67,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 {**BF16[name], "strategy": "ds_pipeline", "devices": 2, "out": out[name]}
                 for name in ("bf16_mixed", "bf16_true")
             ],
+            # Two stages per process: 4 stages over 2 ranks, the tied head on the other rank's second stage.
+            {
+                "model": "tied",
+                "strategy": "ds_pipeline",
+                "devices": 2,
+                "options": {"schedule": "Interleaved1F1B"},
+                "out": out["interleaved"],
+            },
         ],
     )
     four = {"strategy": "ds_pipeline", "devices": 4}
@@ -83,6 +91,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             },
             {**four, "model": "hf", "out": out["hf4"]},
             {**four, "model": "tied", "ckpt_path": ckpt, "out": out["resume4"]},
+            # 2 stages x 2 replicas: the tied sum over each pipeline, then the average over the replicas.
+            {**four, "model": "tied", "options": {"data_parallel_size": 2}, "out": out["dp2"]},
         ],
     )
     results: dict[str, Any] = {name: torch.load(path, weights_only=False) for name, path in out.items()}
@@ -96,9 +106,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return results
 
 
-@pytest.mark.parametrize("arm", ["tied2", "tied4", "hf2", "hf4"])
+@pytest.mark.parametrize("arm", ["tied2", "tied4", "hf2", "hf4", "interleaved", "dp2"])
 def test_traced_pipeline_matches_one_process(runs: dict[str, Any], arm: str) -> None:
-    ref = runs[f"{arm[:-1]}_ref"]
+    ref = runs[f"{'hf' if arm.startswith('hf') else 'tied'}_ref"]
     got = runs[arm]
     torch.testing.assert_close(got["losses"], ref["losses"], atol=TOL, rtol=TOL)
     assert got["final"].keys() == ref["final"].keys()  # keyed as the unsplit model, tied head included
@@ -108,7 +118,7 @@ def test_traced_pipeline_matches_one_process(runs: dict[str, Any], arm: str) -> 
 
 
 def test_tied_weight_stays_one_weight(runs: dict[str, Any]) -> None:
-    for arm in ("tied2", "tied4"):
+    for arm in ("tied2", "tied4", "interleaved", "dp2"):
         final = runs[arm]["final"]
         torch.testing.assert_close(final["net.head.weight"], final["net.token.weight"], atol=0, rtol=0)
     # Control: stages that did not sum the tied gradient would train two weights, as the untied model does; that
@@ -149,6 +159,16 @@ def test_bf16_pipelines_compute_as_one_bf16_process(runs: dict[str, Any], arm: s
     assert dtypes == ({torch.bfloat16} if arm == "bf16_true" else {torch.float32})
     # Weights after 3 AdamW steps: bf16 rounding of the summed micro-batch gradients moves them by about one lr.
     torch.testing.assert_close(got["final"], ref["final"], atol=5e-3, rtol=0)
+
+
+def test_a_v_schedule_is_refused_at_setup_on_every_rank(tmp_path: Path) -> None:
+    spec = tmp_path / "v.json"
+    run = {"model": "tied", "strategy": "ds_pipeline", "devices": 2, "out": str(tmp_path / "v.pt")}
+    spec.write_text(json.dumps({"runs": [{**run, "options": {"schedule": "ZBVZeroBubble"}}]}))
+    result = run_ranks("tests.helpers.traced_runs", [str(spec)], 2, timeout=120)
+    assert all(code != 0 for code in result.returncodes), result.output[-3000:]
+    assert result.output.count("places two stages of a V on each process") >= 2  # every rank, before any step
+    assert not (tmp_path / "v.pt").exists()
 
 
 class _Gate(nn.Module):
