@@ -297,11 +297,17 @@ def test_hf_gpt2_auto_trains_like_the_unsplit_model(monkeypatch, moves):
     assert moves
 
 
-def test_after_fit_the_hooks_are_gone_and_validate_places_again():
+def test_after_fit_the_hooks_are_gone_and_validate_places_again(tmp_path):
     strategy = LayerSplitStrategy(devices=["cpu"], device_map={"blocks.1": "cpu"})
     model = build("tied_gpt")
     trainer = pl.Trainer(
-        strategy=strategy, max_steps=1, logger=False, enable_progress_bar=False, enable_model_summary=False
+        strategy=strategy,
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     trainer.fit(model, DataLoader(byte_batches(8), batch_size=8))
     assert strategy.device_hook_calls == {"": 1, "blocks.1": 1}
