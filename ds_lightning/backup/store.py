@@ -1,4 +1,8 @@
-"""Backup files: written under a temporary name, synced and renamed, so a crash mid-write leaves the last one whole."""
+"""Backup files: written under a temporary name, synced and renamed, so a crash mid-write leaves the last one whole.
+
+A sharded backup (``state_dict_type="sharded"``) is a folder in the same place under the same name: every rank writes
+its part into a hidden temporary folder, and the coordinator renames it once every part and ``meta.pt`` are in.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-import torch
+from ds_lightning.checkpoint.layout import atomic_save, remove_path, write_meta
 
 __all__ = ["BackupStore"]
 
@@ -18,7 +22,8 @@ _NAME = re.compile(r"^backup-step(\d+)\.ckpt$")
 class BackupStore:
     """The backups in one directory: ``backup-step{N:09d}.ckpt``, newest by step, the last ``keep`` kept.
 
-    Only complete files carry that name (a write goes to a hidden temporary file that is renamed when synced), so
+    A backup is a file, or a sharded checkpoint folder (:mod:`ds_lightning.checkpoint.layout`). Only complete ones
+    carry that name (a write goes to a hidden temporary file that is renamed when synced), so
     whatever :meth:`latest` returns loads.
 
     Args:
@@ -51,31 +56,38 @@ class BackupStore:
     def write(self, checkpoint: dict[str, Any], path: Path) -> None:
         """Write ``checkpoint`` to ``path`` atomically, then drop all but the newest ``keep`` backups."""
         self.directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(checkpoint, f)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
+        atomic_save(checkpoint, path)
         _fsync_directory(self.directory)  # the rename itself survives a power cut
         self.prune()
 
     def prune(self) -> None:
         """Remove all but the newest ``keep`` backups."""
         for _, old in self.backups()[: -self.keep]:
-            with contextlib.suppress(FileNotFoundError):
-                old.unlink()
+            remove_path(old)
 
     def remove_stale_temporaries(self) -> None:
-        """Delete the temporary files of writes that never finished (call when no write is running)."""
+        """Delete the temporary files and folders of writes that never finished (call when no write is running)."""
         if self.directory.is_dir():
             for p in self.directory.glob(".backup-step*.ckpt.tmp-*"):
-                with contextlib.suppress(FileNotFoundError):
-                    p.unlink()
+                remove_path(p)
+
+    def temporary_folder(self, path: Path) -> Path:
+        """Where the ranks write the sharded backup ``path`` before it is committed (one name on every rank)."""
+        return path.with_name(f".{path.name}.tmp-sharded")
+
+    def commit_folder(self, meta: dict[str, Any], folder: Path, path: Path) -> None:
+        """Complete the sharded backup written into ``folder``: add ``meta.pt``, rename it to ``path``, prune.
+
+        Call on the coordinator only, once every rank's part is written (DCP's save has returned there): until the
+        rename, :meth:`latest` does not see it, so a kill at any moment before leaves the previous backup the latest.
+        """
+        write_meta(meta, folder)
+        _fsync_directory(folder)
+        if path.exists():  # the same step backed up again (a rerun): the older copy goes
+            remove_path(path)
+        os.replace(folder, path)
+        _fsync_directory(self.directory)  # the rename itself survives a power cut
+        self.prune()
 
 
 def _fsync_directory(directory: Path) -> None:

@@ -1,4 +1,8 @@
-"""Writing backups off the training loop: the loop pays for a copy of the state, a thread for the file."""
+"""Writing backups off the training loop: the loop pays for a copy of the state, a thread for the file.
+
+Sharded backups go through ``torch.distributed.checkpoint.async_save``: it copies each rank's part to host memory and
+writes it from a thread; this writer's own thread then waits for it and commits the folder on the coordinator.
+"""
 
 from __future__ import annotations
 
@@ -9,11 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from ds_lightning.backup.store import BackupStore
+from ds_lightning.checkpoint.io import ShardedGroup, save_sharded
+from ds_lightning.checkpoint.layout import remove_path
 
 __all__ = ["BackupWriter"]
 
@@ -51,7 +59,8 @@ class BackupWriter(CheckpointIO):
 
     A save first waits for the one before it, so at most one write runs and the files appear in step order. The
     strategy hands this writer the consolidated checkpoint on the process that writes (rank 0), exactly as it would
-    hand its own ``checkpoint_io``.
+    hand its own ``checkpoint_io``; a strategy with ``state_dict_type="sharded"`` hands every rank's part to
+    :meth:`save_sharded` instead.
 
     Args:
         store: where the files go.
@@ -67,6 +76,10 @@ class BackupWriter(CheckpointIO):
         self.timeout = timeout
         self._pool: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
+        #: A gloo group of the same ranks as the default one, for DCP's collectives in the background: on the default
+        #: group they would interleave with training's (set by ``BackupAndRestore``; without it, sharded backups over
+        #: the default group are written synchronously).
+        self.async_group: dist.ProcessGroup | None = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
@@ -75,9 +88,47 @@ class BackupWriter(CheckpointIO):
             self.store.write(checkpoint, Path(path))  # training waits for the file: no copy needed
             return
         snapshot = _detached_copy(checkpoint)
+        self._pending = self._executor().submit(self.store.write, snapshot, Path(path))
+
+    def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds_lightning-backup")
-        self._pending = self._pool.submit(self.store.write, snapshot, Path(path))
+        return self._pool
+
+    def save_sharded(self, state: dict[str, Any], meta: dict[str, Any], path: Path, group: ShardedGroup) -> None:
+        """Write this rank's part of a sharded backup into a temporary folder, and commit it once every part is in.
+
+        Called on every saving rank at the same step. With ``async_save``, returns once DCP has copied the part to
+        host memory; the previous backup stays the latest until the coordinator renames the folder.
+        """
+        self.wait()  # one write at a time, on every rank: the DCP collectives of two saves never overlap
+        folder = self.store.temporary_folder(path)
+        if group.coordinator:
+            # Before DCP's first collective, so no rank has written into it yet: leftovers of a killed write go.
+            remove_path(folder)
+            folder.mkdir(parents=True, exist_ok=True)
+        background = group if group.no_dist else None
+        if group.process_group is None and not group.no_dist and self.async_group is not None:
+            background = ShardedGroup(group.saves, self.async_group, False, group.coordinator)
+        if not self.async_save or background is None:
+            save_sharded(state, {}, folder, ShardedGroup(group.saves, group.process_group, group.no_dist, False))
+            if group.coordinator:
+                self.store.commit_folder(meta, folder, path)
+            return
+        meta = _detached_copy(meta)  # written after the parts, while training goes on changing its tensors
+        upload = dcp.async_save(
+            state,
+            storage_writer=dcp.FileSystemWriter(folder),
+            process_group=background.process_group,
+            no_dist=background.no_dist,
+        )
+        self._pending = self._executor().submit(self._commit, upload, meta, folder, path, group.coordinator)
+
+    def _commit(self, upload: Any, meta: dict[str, Any], folder: Path, path: Path, coordinator: bool) -> None:
+        # DCP's save ends on every rank after its coordinator wrote .metadata, itself after every rank's parts.
+        getattr(upload, "upload_completion", upload).result(timeout=self.timeout)
+        if coordinator:
+            self.store.commit_folder(meta, folder, path)
 
     def wait(self) -> None:
         """Block until the write in flight (if any) is on disk; re-raise its error.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -57,6 +58,11 @@ class BackupAndRestore(Callback):
     Backups are taken after an optimizer step, written to a temporary name, synced and renamed, so a process killed
     mid-write leaves the previous backup whole; the newest ``keep`` are kept. With ``async_save`` the loop only waits
     for a copy of the state in host memory, and a thread writes the file.
+
+    Under a strategy with ``state_dict_type="sharded"`` a backup is a folder (Lightning FSDP's sharded layout) that
+    every rank writes its own part of with ``torch.distributed.checkpoint`` (``async_save`` with ``async_save=True``,
+    its collectives on a gloo group of their own), committed by rank 0's rename once every part is in: nothing is
+    gathered on rank 0, and a kill mid-write still leaves the previous backup the latest.
 
     Preemption: on SIGTERM or SIGUSR1 (what Kubernetes and SLURM send before stopping a job) every rank takes a
     backup at the optimizer step after the next one (a step all ranks agree on without waiting for each other), then
@@ -157,6 +163,7 @@ class BackupAndRestore(Callback):
         timeout = getattr(strategy, "_timeout", None)  # Lightning's DDP keeps it there too
         self._writer.timeout = timeout.total_seconds() if isinstance(timeout, timedelta) else None
         self._agreement.timeout = self._writer.timeout
+        self._writer.async_group = self._async_group(trainer, timeout)
         self._agreement.reset()
         self._cursor.clear()
         self._restored, self.restored_from = None, None
@@ -294,6 +301,17 @@ class BackupAndRestore(Callback):
         self.backups_taken += 1
         self._last_time = time.monotonic()
 
+    def _async_group(self, trainer: pl.Trainer, timeout: object) -> dist.ProcessGroup | None:
+        """A gloo group of every rank for sharded asynchronous backups, whose collectives run beside training's.
+
+        Created here, on every rank at the same point of setup (``new_group`` is collective over the default group),
+        only when the strategy writes sharded backups from every rank.
+        """
+        sharded = getattr(trainer.strategy, "state_dict_type", "full") == "sharded"
+        if not (sharded and self.async_save and _collective(trainer)):
+            return None
+        return dist.new_group(backend="gloo", timeout=timeout if isinstance(timeout, timedelta) else None)
+
     # --- end -------------------------------------------------------------------------------------------------------
 
     @override
@@ -328,7 +346,13 @@ class BackupAndRestore(Callback):
         if not self._active:
             return
         self._agreement.reset()  # after an exception too: hold no work past the run
-        self._writer.teardown()
+        try:
+            self._writer.teardown()
+        finally:
+            group, self._writer.async_group = self._writer.async_group, None
+            if group is not None:
+                with contextlib.suppress(Exception):  # the default group may be gone already after a failure
+                    dist.destroy_process_group(group)
         self._watch.uninstall()
         self._cursor.clear()
         if self._unposition is not None:

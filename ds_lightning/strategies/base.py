@@ -27,6 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.checkpoint.options import StateDictType, check_state_dict_type
+from ds_lightning.checkpoint.strategy_hooks import ShardedCheckpoints
 from ds_lightning.data.eval_shards import exact_mean_input, uneven_batch_counts, unpadded_eval_loader
 from ds_lightning.data.resumable import DataCursor, position_loader
 from ds_lightning.environments._interfaces import pin_socket_interfaces
@@ -104,7 +106,7 @@ def setup_distributed(strategy: DDPStrategy, spans_hosts: bool = False) -> None:
     _init_dist_connection(env, strategy._process_group_backend, **kwargs)
 
 
-class ClusterStrategy(DDPStrategy):
+class ClusterStrategy(ShardedCheckpoints, DDPStrategy):
     """Lightning's ``DDPStrategy`` with ds_lightning's cluster set-up; the base of the multi-process ds strategies.
 
     Takes every argument ``DDPStrategy`` takes, in the same positions, and forwards extra keyword arguments to torch's
@@ -117,7 +119,10 @@ class ClusterStrategy(DDPStrategy):
     - rank 0's rendezvous store listens on the main address only (see :mod:`ds_lightning.environments.rendezvous`);
     - under ``TF_CONFIG`` gloo and NCCL use the interface holding the task's own address;
     - ``ddp_comm_hook`` (optionally wrapped by ``ddp_comm_wrapper``) is registered on every backend, not on CUDA only;
-    - a gloo process group is destroyed at exit (Lightning does this for NCCL only).
+    - a gloo process group is destroyed at exit (Lightning does this for NCCL only);
+    - ``state_dict_type="sharded"`` writes checkpoints as folders every rank writes its own part of, with
+      ``torch.distributed.checkpoint``, in Lightning FSDP's layout (see :mod:`ds_lightning.checkpoint`); a sharded
+      folder is loaded with either setting.
 
     Args:
         accelerator: set by the Trainer.
@@ -134,6 +139,10 @@ class ClusterStrategy(DDPStrategy):
             ``timedelta``; ``None`` means torch's default (30 minutes).
         start_method: ``"popen"`` re-runs the script per rank (like ``ddp``); ``"spawn"``/``"fork"``/``"forkserver"``
             use multiprocessing (like ``ddp_spawn``).
+        state_dict_type: ``"full"`` (one checkpoint file, gathered on rank 0) or ``"sharded"`` (a folder: every rank
+            writes its part with ``torch.distributed.checkpoint``, nothing is gathered; ``python -m
+            lightning.pytorch.utilities.consolidate_checkpoint <folder>`` makes one file of it), as Lightning's
+            ``FSDPStrategy`` spells it. Keyword-only.
         **kwargs: passed on to torch's ``DistributedDataParallel``, e.g. ``broadcast_buffers=False``.
 
     Raises:
@@ -163,9 +172,12 @@ class ClusterStrategy(DDPStrategy):
         process_group_backend: str | None = None,
         timeout: float | timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        *,
+        state_dict_type: StateDictType = "full",
         **kwargs: Any,
     ) -> None:
         duration = check_launch_options(type(self).__name__, timeout, start_method, process_group_backend)
+        self.state_dict_type = check_state_dict_type(state_dict_type, type(self).__name__)
         check.optional_integer(
             "model_averaging_period", model_averaging_period, 1, f"{type(self).__name__}(model_averaging_period=4)"
         )

@@ -24,6 +24,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ds_lightning.checkpoint.options import StateDictType
 from ds_lightning.data.eval_shards import exact_mean_input
 from ds_lightning.environments.parameter_server_roles import (
     TorchrunPart,
@@ -94,6 +95,9 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
             more of them). ``None``: each worker runs its own ``max_epochs``/``max_steps``.
         min_shard_bytes: a parameter is split across servers only into pieces of at least this size.
         compression: deprecated name of ``gradient_compression`` (warns with a ``DeprecationWarning``).
+        state_dict_type: ``"full"`` (one file) or ``"sharded"`` (a folder in Lightning FSDP's layout, written by
+            the chief alone with ``torch.distributed.checkpoint``: parameters and optimizer state keyed by name, so
+            it resumes on another number of servers; the servers' state is still gathered by the chief).
 
     Raises:
         ValueError: for an invalid option, naming the value and the fix.
@@ -130,6 +134,7 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
         max_updates: int | None = None,
         min_shard_bytes: int = 256 * 1024,
         compression: str | None = None,
+        state_dict_type: StateDictType = "full",
     ) -> None:
         push = gradient_compression_option(gradient_compression, compression)
         check_options(
@@ -153,6 +158,7 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
             process_group_backend,
             timeout,
             start_method,
+            state_dict_type=state_dict_type,
         )
         self._refuse_ddp_options("ds_parameter_server does not wrap the model in torch's DDP (workers push to servers)")
         self._num_servers_arg = num_servers

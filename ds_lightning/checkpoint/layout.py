@@ -1,0 +1,156 @@
+"""The sharded checkpoint's folder: Lightning FSDP's layout, so its tools (``consolidate_checkpoint``) read ours.
+
+A sharded checkpoint is a folder holding
+
+- the files of ``torch.distributed.checkpoint`` (``.metadata`` and one ``__{rank}_0.distcp`` per writing rank) with the
+  tensor state under two kinds of top-level keys: ``"model"`` (the module's state by parameter FQN, as in the
+  unsharded model) and ``"optimizer_{i}"`` (optimizer ``i``'s state keyed by parameter FQN, the layout of
+  ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``);
+- ``meta.pt``: every other entry of Lightning's checkpoint dict (loops, callbacks, schedulers, ...), written by the
+  coordinator alone (``torch.save``), last: a folder holding ``meta.pt`` is complete.
+
+``python -m lightning.pytorch.utilities.consolidate_checkpoint <folder>`` turns it into one file a single-process
+Trainer resumes from: ``torch.optim.Optimizer.load_state_dict`` maps the saved parameters by position in the param
+groups, so FQN keys load like numbers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+__all__ = [
+    "META_FILENAME",
+    "MODEL_KEY",
+    "SavedShards",
+    "atomic_save",
+    "is_sharded_checkpoint",
+    "optimizer_key",
+    "read_checkpoint",
+    "read_part",
+    "remove_path",
+    "split_checkpoint",
+    "write_meta",
+]
+
+#: Lightning's name for the non-tensor entries (``lightning.fabric.utilities.load._METADATA_FILENAME``).
+META_FILENAME = "meta.pt"
+MODEL_KEY = "model"
+_OPTIMIZER_KEY = re.compile(r"^optimizer_(\d+)$")
+
+
+def optimizer_key(index: int) -> str:
+    """The top-level key of optimizer ``index``'s state (Lightning FSDP's)."""
+    return f"optimizer_{index}"
+
+
+def is_sharded_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a complete sharded checkpoint folder (Lightning's test: a folder holding ``meta.pt``)."""
+    folder = Path(path)
+    return folder.is_dir() and (folder / META_FILENAME).is_file()
+
+
+@dataclass(frozen=True)
+class SavedShards:
+    """Stands, in a loaded checkpoint dict, for a part left in the folder until the strategy loads it in place.
+
+    ``checkpoint["state_dict"]`` is one (key ``"model"``) and ``checkpoint["optimizer_states"]`` a list of them: each
+    rank then asks ``torch.distributed.checkpoint`` for exactly the tensors it holds, and none is read whole.
+
+    Attributes:
+        path: the checkpoint folder.
+        key: the top-level key (``"model"``, ``"optimizer_0"``, ...).
+
+    """
+
+    path: Path
+    key: str
+
+
+def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Lightning's checkpoint dict as ``(tensor state for DCP, the rest for meta.pt)``(``checkpoint`` is kept)."""
+    meta = dict(checkpoint)
+    state: dict[str, Any] = {MODEL_KEY: meta.pop("state_dict", {})}
+    for index, optimizer_state in enumerate(meta.pop("optimizer_states", [])):
+        state[optimizer_key(index)] = optimizer_state
+    return state, meta
+
+
+def saved_keys(path: Path) -> set[str]:
+    """The top-level keys the folder's DCP files hold (``"model"``, ``"optimizer_0"``, ...)."""
+    metadata = FileSystemReader(path).read_metadata()
+    paths = metadata.planner_data or {}
+    return {str(paths[key][0]) if key in paths else key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def read_checkpoint(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
+    """A sharded checkpoint as Lightning's checkpoint dict, with :class:`SavedShards` for the tensor parts.
+
+    Args:
+        path: the folder.
+        weights_only: passed to ``torch.load`` for ``meta.pt`` (``None``: ``True``, torch's default).
+
+    """
+    folder = Path(path)
+    checkpoint: dict[str, Any] = torch.load(
+        folder / META_FILENAME, map_location="cpu", weights_only=weights_only is not False
+    )
+    keys = saved_keys(folder)
+    if MODEL_KEY in keys:
+        checkpoint["state_dict"] = SavedShards(folder, MODEL_KEY)
+    optimizers = sorted(int(m.group(1)) for key in keys if (m := _OPTIMIZER_KEY.match(key)))
+    if optimizers:
+        checkpoint["optimizer_states"] = [SavedShards(folder, optimizer_key(i)) for i in range(len(optimizers))]
+    return checkpoint
+
+
+def read_part(source: SavedShards) -> Any:
+    """One part whole, in this process (no collective): for a process that holds it all (the parameter server's chief).
+
+    Rebuilt from the folder's own metadata (DCP's ``_EmptyStateDictLoadPlanner``, which Lightning's consolidation uses
+    too), so nothing of the model is needed.
+    """
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    # The private loader, as Lightning's consolidation uses it: the public load() reads only the keys it is given.
+    planner = _EmptyStateDictLoadPlanner(keys={source.key})
+    _load_state_dict(state, storage_reader=FileSystemReader(source.path), planner=planner, no_dist=True)
+    return state[source.key]
+
+
+def atomic_save(obj: Any, target: Path) -> None:
+    """``torch.save`` to ``target`` atomically: a temporary name beside it, synced, then renamed over it."""
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def write_meta(meta: dict[str, Any], folder: Path) -> None:
+    """Write ``meta.pt`` into ``folder`` atomically: it marks the folder whole."""
+    atomic_save(meta, folder / META_FILENAME)
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file or a folder at ``path``, if any."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()

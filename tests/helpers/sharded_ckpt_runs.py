@@ -1,0 +1,65 @@
+"""``tests.helpers.backup_runs`` with sharded-checkpoint switches; Lightning relaunches this script for every rank.
+
+Usage: ``python -m tests.helpers.sharded_ckpt_runs SPEC.json``. The spec is backup_runs' (``strategy_kwargs`` carries
+``state_dict_type="sharded"``), plus:
+
+- ``kill_in_write_at_step``: every rank exits with ``DIED`` inside DCP's write of the backup of that step, once its
+  own part is on disk and before the backup is committed (a kill mid-write);
+- ``skip_optimizer_restore``: a restore leaves the optimizer state as it starts (the control of exact resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint import FileSystemWriter
+
+from tests.helpers import backup_runs
+from tests.helpers.backup_runs import DIED
+
+
+def kill_in_write(step: int) -> None:
+    """Exit from DCP's write of the backup of ``step`` on this rank, after writing its part."""
+    write = FileSystemWriter.write_data
+
+    def write_then_die(self: Any, plan: Any, planner: Any) -> Any:
+        written = write(self, plan, planner)
+        if f"backup-step{step:09d}" in str(self.path):
+            written.wait()  # this rank's part is on disk; the coordinator has not committed the folder
+            os._exit(DIED)
+        return written
+
+    FileSystemWriter.write_data = write_then_die  # type: ignore[method-assign]
+
+
+def skip_optimizer_restore() -> None:
+    """Restores leave every optimizer state as it starts: the default path and the parameter server's."""
+    from ds_lightning.checkpoint.strategy_hooks import ShardedCheckpoints
+    from ds_lightning.parameter_server.checkpoint import ResumePoint
+    from ds_lightning.parameter_server.chief_checkpoints import ChiefCheckpoints
+
+    def keep_fresh(self: Any, sources: Any) -> None:
+        return None
+
+    def resume_without_optimizer(self: Any, checkpoint: Any) -> None:
+        self._resume = ResumePoint.from_checkpoint({**checkpoint, "optimizer_states": []})
+
+    ShardedCheckpoints.load_sharded_optimizer_states = keep_fresh  # type: ignore[method-assign]
+    ChiefCheckpoints.load_optimizer_state_dict = resume_without_optimizer  # type: ignore[method-assign]
+
+
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    if spec.get("kill_in_write_at_step") is not None:
+        kill_in_write(int(spec["kill_in_write_at_step"]))
+    if spec.get("skip_optimizer_restore"):
+        skip_optimizer_restore()
+    backup_runs.main(spec_path)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
