@@ -148,9 +148,14 @@ def write_meta(meta: dict[str, Any], folder: Path) -> None:
 
 
 def remove_path(path: Path) -> None:
-    """Remove a file or a folder at ``path``, if any."""
-    if path.is_dir() and not path.is_symlink():
+    """Remove a file or a folder at ``path``, if any.
+
+    Another rank's checkpoint writer may create the folder at any moment (DCP makes it on every rank), so the kind of
+    path is learnt from the removal that fails, not from a check made before it.
+    """
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        return
+    except (IsADirectoryError, PermissionError):  # a folder (Linux says IsADirectory, macOS PermissionError)
         shutil.rmtree(path, ignore_errors=True)
-    else:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
