@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.checkpoint.options import StateDictType
 from ds_lightning.pipeline import microbatch, split
 from ds_lightning.pipeline import state as pipe_state
 from ds_lightning.pipeline.checkpoints import StageCheckpoints
@@ -110,6 +111,9 @@ class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
         stages_per_rank: stages each process runs; ``None`` picks 2 for interleaved and V-shaped schedules, else 1.
         trace_path: write the executed schedule of a few training steps as a Chrome trace (JSON) and a PNG timeline.
         trace_steps: training steps to trace (after one warm-up step).
+        state_dict_type: ``"full"`` (one checkpoint file, every stage's part gathered on rank 0) or ``"sharded"`` (a
+            folder in Lightning FSDP's layout: each stage writes its own part with ``torch.distributed.checkpoint``;
+            it loads at another stage count, and ``consolidate_checkpoint`` makes one file of it).
 
     Raises:
         ValueError: for any invalid option, naming the value and the fix.
@@ -144,6 +148,7 @@ class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
         stages_per_rank: int | None = None,
         trace_path: str | None = None,
         trace_steps: int = 3,
+        state_dict_type: StateDictType = "full",
     ) -> None:
         self._spec = schedule_spec(schedule)
         self.schedule = canonical_name(schedule)
@@ -176,6 +181,7 @@ class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
             process_group_backend,
             timeout,
             start_method,
+            state_dict_type=state_dict_type,
         )
         self._refuse_ddp_options(
             "ds_pipeline averages stage gradients over its data-parallel group without torch's DDP"
@@ -420,7 +426,7 @@ class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
         super().on_train_end()
         # Every rank gets the trained weights of every stage, so the module is whole again after fit().
         assert self.lightning_module is not None
-        merged = self.lightning_module_state_dict()
+        merged = self.merged_state_dict()
         if self._full is not None:
             prefix = f"{self.pipe_module}."
             self._full.load_state_dict({k[len(prefix) :]: v for k, v in merged.items() if k.startswith(prefix)})

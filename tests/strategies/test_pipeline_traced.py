@@ -8,6 +8,8 @@ the head untied, which is what stages would train without summing the tied weigh
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ from torch import nn
 from ds_lightning import PipelineStrategy
 from ds_lightning.pipeline.graph_split import TracingRefused, check_split_points, trace_split
 from tests.helpers.controls import assert_far, distance, without_optimizer_state
-from tests.helpers.runner import run_ranks
+from tests.helpers.runner import REPO, run_ranks, worker_env
 from tests.helpers.traced_runs import do_run
 
 TOL = 1e-5
@@ -39,9 +41,13 @@ def launch(root: Path, name: str, ranks: int, runs: list[dict[str, Any]]) -> Non
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("traced")
-    names = ("tied2", "hf2", "ckpt2", "bf16_mixed", "bf16_true", "interleaved", "tied4", "hf4", "resume4", "dp2")
+    names = (
+        *("tied2", "hf2", "ckpt2", "sharded2", "bf16_mixed", "bf16_true", "interleaved"),
+        *("tied4", "hf4", "resume4", "resume4_sharded", "dp2"),
+    )
     out = {name: str(root / f"{name}.pt") for name in names}
     ckpt = str(root / "two_stages.ckpt")
+    sharded = str(root / "two_stages_sharded.ckpt")  # a folder: each stage writes its own part
     launch(
         root,
         "two",
@@ -62,6 +68,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 "trainer": {"max_steps": 2},
                 "save": ckpt,
                 "out": out["ckpt2"],
+            },
+            {
+                "model": "tied",
+                "strategy": "ds_pipeline",
+                "devices": 2,
+                "options": {"state_dict_type": "sharded"},
+                "trainer": {"max_steps": 2},
+                "save": sharded,
+                "out": out["sharded2"],
             },
             *[
                 {**BF16[name], "strategy": "ds_pipeline", "devices": 2, "out": out[name]}
@@ -91,12 +106,13 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             },
             {**four, "model": "hf", "out": out["hf4"]},
             {**four, "model": "tied", "ckpt_path": ckpt, "out": out["resume4"]},
+            {**four, "model": "tied", "ckpt_path": sharded, "out": out["resume4_sharded"]},
             # 2 stages x 2 replicas: the tied sum over each pipeline, then the average over the replicas.
             {**four, "model": "tied", "options": {"data_parallel_size": 2}, "out": out["dp2"]},
         ],
     )
     results: dict[str, Any] = {name: torch.load(path, weights_only=False) for name, path in out.items()}
-    results["ckpt"] = ckpt
+    results["ckpt"], results["sharded"] = ckpt, sharded
     results["root"] = root
     for kind in ("tied", "hf"):
         results[f"{kind}_ref"] = do_run({"model": kind, "out": str(root / f"{kind}_ref.pt")})
@@ -169,6 +185,29 @@ def test_a_v_schedule_is_refused_at_setup_on_every_rank(tmp_path: Path) -> None:
     assert all(code != 0 for code in result.returncodes), result.output[-3000:]
     assert result.output.count("places two stages of a V on each process") >= 2  # every rank, before any step
     assert not (tmp_path / "v.pt").exists()
+
+
+def test_a_sharded_checkpoint_from_two_stages_resumes_on_four_and_on_one_process(
+    runs: dict[str, Any], tmp_path: Path
+) -> None:
+    folder = Path(runs["sharded"])
+    # Each stage wrote its own part; rank 0 gathered nothing (one DCP file per rank, plus Lightning's meta.pt).
+    assert sorted(p.name for p in folder.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert (folder / "meta.pt").is_file() and all(p.stat().st_size > 10_000 for p in folder.glob("*.distcp"))
+    ref = runs["tied_ref"]["final"]
+    for name, tensor in ref.items():
+        torch.testing.assert_close(runs["resume4_sharded"]["final"][name], tensor, atol=TOL, rtol=TOL, msg=name)
+    # Lightning's own tool turns the folder into one file that a plain one-process Trainer resumes.
+    output = tmp_path / "consolidated.ckpt"
+    command = [sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint", str(folder)]
+    subprocess.run([*command, "--output_file", str(output)], cwd=REPO, env=worker_env(), check=True, timeout=120)
+    one = do_run({"model": "tied", "ckpt_path": str(output), "out": str(tmp_path / "one.pt")})
+    for name, tensor in ref.items():
+        torch.testing.assert_close(one["final"][name], tensor, atol=TOL, rtol=TOL, msg=name)
+    # Control: the consolidated file without its optimizer state resumes elsewhere.
+    dropped = without_optimizer_state(output, tmp_path / "dropped.ckpt")
+    control = do_run({"model": "tied", "ckpt_path": str(dropped), "out": str(tmp_path / "control.pt")})
+    assert_far(ref, control["final"], 100 * TOL, "a resume without optimizer state")
 
 
 class _Gate(nn.Module):
