@@ -10,7 +10,9 @@ is the base's), so ``ds_mirrored``'s own file keeps only the option. The pieces 
 - steps: ``training_step`` (and validation, test, predict) run through the root's ``__call__`` (Lightning's forward
   redirection), so FSDP's root hooks gather the parameters before any child runs;
 - accumulation: ``set_requires_gradient_sync(False)`` where DDP would take ``no_sync()``;
-- checkpoints: the plain layouts, gathered on rank 0 and scattered back (see :mod:`ds_lightning.sharding.fsdp2`).
+- checkpoints: the plain layouts, gathered on rank 0 and scattered back (see :mod:`ds_lightning.sharding.fsdp2`);
+  under ``state_dict_type="sharded"`` (or from a sharded folder) the base's sharded path instead, which writes and
+  reads each rank's ``DTensor`` shards with ``torch.distributed.checkpoint`` (:mod:`ds_lightning.checkpoint`).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from ds_lightning.checkpoint.strategy_hooks import sharded_parts
 from ds_lightning.sharding import fsdp2, zero3
 
 
@@ -44,6 +47,11 @@ class FullyShardedSteps(DDPStrategy):
     @property
     def _sharded_now(self) -> bool:
         return self._fully_sharding and fsdp2.is_fully_sharded(self.model)
+
+    @property
+    def _gathers_checkpoints(self) -> bool:
+        # Sharded checkpoints go through the base (ShardedCheckpoints, after this mixin in the MRO): no gathering.
+        return self._sharded_now and getattr(self, "state_dict_type", "full") != "sharded"
 
     # --- set-up ---------------------------------------------------------------------------------------------------
 
@@ -136,14 +144,14 @@ class FullyShardedSteps(DDPStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._sharded_now:
+        if not self._gathers_checkpoints:
             return super().lightning_module_state_dict()
         assert self.model is not None
         return fsdp2.full_model_state(self.model)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not self._sharded_now:
+        if not self._sharded_now or sharded_parts(checkpoint, "state_dict") is not None:
             super().load_model_state_dict(checkpoint, strict=strict)
             return
         assert self.model is not None

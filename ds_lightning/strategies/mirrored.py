@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +24,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.checkpoint.layout import SavedShards
+from ds_lightning.checkpoint.options import StateDictType
+from ds_lightning.checkpoint.strategy_hooks import sharded_parts
 from ds_lightning.comm.auto import AutoState
 from ds_lightning.comm.compression import GradientCompressor, get
 from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
@@ -38,6 +41,7 @@ from ds_lightning.sharding import (
     resolve_parameter_sharding,
     shard_optimizers,
 )
+from ds_lightning.sharding.sharded_checkpoints import load_zero_partitions, zero_partition_state
 from ds_lightning.strategies._fsdp2_mixin import FullyShardedSteps
 from ds_lightning.strategies._registration import register_start_methods
 from ds_lightning.strategies.base import ClusterStrategy, StartMethod
@@ -117,6 +121,8 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             there only, when ``gradient_compression`` is set), broadcast inside the host. ``"auto"`` uses it with more
             than one host and more than one process on some host; ``True`` does the same (flat with one host);
             ``False`` always takes the flat all-reduce.
+        state_dict_type: ``"full"`` (one file, gathered on rank 0) or ``"sharded"`` (a folder of each rank's own part
+            under every engine, loadable at another world size and engine; see docs/checkpoints.md).
         **kwargs: passed on to torch's ``DistributedDataParallel``, e.g. ``broadcast_buffers=False``.
 
     Raises:
@@ -156,6 +162,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
         hierarchical: HierarchicalSetting = "auto",
         shard_parameters: bool = False,
         cpu_offload: bool = False,
+        state_dict_type: StateDictType = "full",
         **kwargs: Any,
     ) -> None:
         method = get(gradient_compression, use="all_reduce")
@@ -218,6 +225,7 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             static_graph=static_graph,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view,
+            state_dict_type=state_dict_type,
             **kwargs,
         )
         self.gradient_compression = gradient_compression
@@ -361,11 +369,28 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.state_dict_type == "sharded":
+            return self.sharded_optimizer_state(optimizer)  # this rank's part: nothing consolidated on rank 0
         if self._sharded_now:
             return self._fully_sharded_optimizer_state(optimizer)
         if not self.shard_optimizer_state:
             return super().optimizer_state(optimizer)
         return consolidated_state(getattr(optimizer, "_optimizer", optimizer), writer=self.is_global_zero)
+
+    @override
+    def sharded_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if not self.shard_optimizer_state or self._fully_sharding:
+            return super().sharded_optimizer_state(optimizer)  # DTensors (fsdp2) or replicated: the defaults
+        assert self.lightning_module is not None
+        return zero_partition_state(self.lightning_module, optimizer)
+
+    @override
+    def load_sharded_optimizer_states(self, sources: Sequence[SavedShards]) -> None:
+        if not self.shard_optimizer_state or self._fully_sharding:
+            super().load_sharded_optimizer_states(sources)
+            return
+        assert self.lightning_module is not None
+        load_zero_partitions(self.lightning_module, self.optimizers, sources, self.sharded_checkpoint_group())
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
@@ -384,7 +409,10 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
-        if self._sharded_now:
+        sources = sharded_parts(checkpoint, "optimizer_states")  # a sharded folder: each rank reads its own part
+        if sources is not None:
+            self.load_sharded_optimizer_states(sources)
+        elif self._sharded_now:
             self._load_fully_sharded_optimizer_states(checkpoint)
         elif self.shard_optimizer_state:
             load_sharded_states(self.optimizers, checkpoint["optimizer_states"])
