@@ -97,11 +97,25 @@ BENCH_FOLDERS := mirrored=mirrored pipeline=pipeline ps=parameter_server balance
 	sharding=sharding_engines collectives=collectives faults=faults
 bench_folder = $(patsubst $(1)=%,%,$(filter $(1)=%,$(BENCH_FOLDERS)))
 
-$(addprefix bench-,mirrored pipeline ps balance memory sharding collectives faults): bench-%: setup
+$(addprefix bench-,mirrored pipeline ps balance sharding collectives faults): bench-%: setup
 	$(PY) -m benchmarks.$(call bench_folder,$*).driver
 
-$(addprefix bench-,$(addsuffix -gpt,mirrored pipeline ps balance memory sharding)): bench-%-gpt: setup
+$(addprefix bench-,$(addsuffix -gpt,mirrored pipeline ps balance sharding)): bench-%-gpt: setup
 	$(PY) -m benchmarks.$(call bench_folder,$*).driver --model gpt
+
+# ds_mirrored's sharding modes beside Lightning's FSDPStrategy and DeepSpeedStrategy (benchmarks/memory/); the GPT run
+# adds the largest-model ladder under a per-process cgroup cap (root). DeepSpeed, for its arm only, goes into
+# $(BENCH_EXTRA), not the venv; where it does not install, the arm records why it could not run.
+BENCH_EXTRA := $(VENV)/bench-extra
+$(BENCH_EXTRA): $(STAMP)
+	-DS_BUILD_OPS=0 $(PY) -m pip install -q --no-deps --no-build-isolation --target $(BENCH_EXTRA) deepspeed==0.19.8 \
+		hjson ninja py-cpuinfo msgpack einops nvidia-ml-py
+
+bench-memory: setup $(BENCH_EXTRA)
+	$(PY) -m benchmarks.memory.driver --extra-path $(BENCH_EXTRA)
+
+bench-memory-gpt: setup $(BENCH_EXTRA)
+	$(PY) -m benchmarks.memory.driver --model gpt --extra-path $(BENCH_EXTRA)
 
 # MixedPrecision: fp32 against bf16, fp16 and auto
 bench-precision: setup

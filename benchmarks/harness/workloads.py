@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ def build(workload: dict[str, Any], hidden: list[int] | None = None, seed: int =
         text = TextDataModule(block_size=shape["block_size"], seed=seed)
         text.setup("fit")
         assert text.train_set is not None and text.val_set is not None
-        net = GPT(**shape).net
+        net = cast(nn.Sequential, GPT(**shape).net)  # GPT's net is an nn.Sequential (TiedGPT's is not)
         return Workload("gpt", net, text.train_set, text.val_set, _token_loss, shape["block_size"], "tokens")
     raise ValueError(f"model={workload['model']!r}: choose one of {MODELS}")
 
