@@ -139,6 +139,8 @@ class ShardedCheckpoints(_StrategyBase):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if is_sharded_checkpoint(checkpoint_path):
             return read_checkpoint(checkpoint_path, weights_only)
+        if weights_only is None:  # Lightning before 2.6 neither passes nor takes it
+            return super().load_checkpoint(checkpoint_path)
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
