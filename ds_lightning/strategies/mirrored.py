@@ -379,18 +379,15 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
 
     @override
     def sharded_optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if not self.shard_optimizer_state or self._fully_sharding:
+        if (module := self.lightning_module) is None or not self.shard_optimizer_state or self._fully_sharding:
             return super().sharded_optimizer_state(optimizer)  # DTensors (fsdp2) or replicated: the defaults
-        assert self.lightning_module is not None
-        return zero_partition_state(self.lightning_module, optimizer)
+        return zero_partition_state(module, optimizer)
 
     @override
     def load_sharded_optimizer_states(self, sources: Sequence[SavedShards]) -> None:
-        if not self.shard_optimizer_state or self._fully_sharding:
-            super().load_sharded_optimizer_states(sources)
-            return
-        assert self.lightning_module is not None
-        load_zero_partitions(self.lightning_module, self.optimizers, sources, self.sharded_checkpoint_group())
+        if (module := self.lightning_module) is None or not self.shard_optimizer_state or self._fully_sharding:
+            return super().load_sharded_optimizer_states(sources)
+        load_zero_partitions(module, self.optimizers, sources, self.sharded_checkpoint_group())
 
     # --- checkpoints ----------------------------------------------------------------------------------------------
 
