@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,12 +16,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, Panel, fmt
 from benchmarks.sharding_engines import common
-from benchmarks.sharding_engines.common import BYTES_TARGET, STATE_TARGETS, STEP_TARGET
 
-WORKER = Path(__file__).resolve().parent / "worker.py"
 SUMMARY_KEYS = ["step_ms", "state_mb_max", "state_mb_min", "grad_mb", "broadcast_mb_max", "fsdp_mb_max"]
 SUMMARY_KEYS += ["sent_mb_max", "ring_mb_max", "rss_mb_max"]
+MB_COLUMNS = ("grad_mb", "broadcast_mb_max", "fsdp_mb_max", "sent_mb_max", "ring_mb_max")
 ENGINES = ("zero", "fsdp2")
+COLUMNS = ["arm", "optimizer state per rank (MB, rank 0 / 1 / ...)", "step (ms)"]
+COLUMNS += ["gradient all-reduce (MB/step/rank)", "parameter broadcast (MB/step, largest rank)"]
+COLUMNS += ["FSDP2 all-gather + reduce-scatter (MB/step, largest rank)", "payload (MB/step, largest rank, counted)"]
+COLUMNS += ["ring model (MB/step, largest rank)", "peak RSS (MB, largest rank)"]
+INTRO = (
+    "`MirroredStrategy(shard_optimizer_state=True)` (`sharding_engine='zero'`: ZeRO stage 1 on torch's"
+    " `ZeroRedundancyOptimizer`; `'fsdp2'`: torch's `fully_shard`, where run) against plain `ds_mirrored`,"
+    " on {procs} CPU processes (gloo, 1 thread each);"
+)
+NOTES = [
+    "- Optimizer state: `ds_lightning.sharding.optimizer_state_bytes` of every rank after the last step, judged on"
+    " the largest rank's (torch partitions whole parameters).",
+    "- Payload bytes are **counted from the collectives' payloads, not measured on a wire** (zero: {calls}"
+    " broadcasts per step that every rank joins); what each column counts, and the ring model:"
+    " [the README](../memory/README.md).",
+    "- Peak RSS: each rank's `ru_maxrss` at the end of training (coarse: Python, torch and the data included).",
+]
 
 
 def arm_name(sharded: bool, procs: int, engine: str = "zero") -> str:
@@ -34,41 +49,10 @@ def arm_title(sharded: bool, procs: int, engine: str = "zero") -> str:
     return f"{'plain' if not sharded else 'sharded' if engine == 'zero' else 'sharded fsdp2'}, {procs} procs"
 
 
-def targets(summary: Mapping[str, Any], procs: list[int], engines: list[str]) -> list[dict[str, Any]]:
-    """Every target's ratio (sharded / plain per repeat) and verdict, per engine and process count."""
-    out = []
-    for engine in engines:
-        prefix = "" if engine == "zero" else f"{engine}: "
-        for n in procs:
-            checks = (
-                (f"{prefix}optimizer-state bytes, largest rank", "state_mb_max", STATE_TARGETS.get(n)),
-                (f"{prefix}step time (rank 0's median)", "step_ms", STEP_TARGET),
-                (f"{prefix}payload bytes per step (counted), largest rank", "sent_mb_max", BYTES_TARGET),
-                (f"{prefix}payload bytes under a ring model, largest rank", "ring_mb_max", BYTES_TARGET),
-                (f"{prefix}peak RSS, largest rank (no target)", "rss_mb_max", None),
-            )
-            out += common.judged(summary.get(arm_name(True, n, engine), {}), n, checks)
-    return out
-
-
-COLUMNS = ["arm", "optimizer state per rank (MB, rank 0 / 1 / ...)", "step (ms)"]
-COLUMNS += ["gradient all-reduce (MB/step/rank)", "parameter broadcast (MB/step, largest rank)"]
-COLUMNS += ["FSDP2 all-gather + reduce-scatter (MB/step, largest rank)", "payload (MB/step, largest rank, counted)"]
-COLUMNS += ["ring model (MB/step, largest rank)", "peak RSS (MB, largest rank)"]
-NOTES = [
-    "- Optimizer state: `ds_lightning.sharding.optimizer_state_bytes` of every rank after the last step, judged on"
-    " the largest rank's (torch partitions whole parameters).",
-    "- Payload bytes are **counted from the collectives' payloads, not measured on a wire** (zero: {calls}"
-    " broadcasts per step that every rank joins); what each column counts, and the ring model:"
-    " [the README](../memory/README.md).",
-    "- Peak RSS: each rank's `ru_maxrss` at the end of training (coarse: Python, torch and the data included).",
-]
-
-
 class Memory(common.ShardingBenchmark):
     name = "memory"
     description = __doc__
-    worker = WORKER
+    worker = Path(__file__).resolve().parent / "worker.py"
     title = "Optimizer-state sharding"
     summary_keys = SUMMARY_KEYS
     ratio_keys = ("step_ms", "state_mb_max", "sent_mb_max", "ring_mb_max", "rss_mb_max")
@@ -90,43 +74,33 @@ class Memory(common.ShardingBenchmark):
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
         procs, engines = data["settings"]["procs"], data["settings"]["engines"]
-        pairs = [(arm_name(True, n, e), arm_name(False, n)) for n in procs for e in engines]
-        s = self.spreads(data, pairs)
-        s["targets"] = targets(s, procs, engines)
+        s = self.spreads(data, [(arm_name(True, n, e), arm_name(False, n)) for n in procs for e in engines])
+        s["targets"] = []
+        for e in engines:
+            prefix = "" if e == "zero" else f"{e}: "
+            for n in procs:
+                checks = common.checks(n, prefix, "payload bytes per step (counted)")
+                checks.append((f"{prefix}peak RSS, largest rank (no target)", "rss_mb_max", None))
+                s["targets"] += common.judged(s.get(arm_name(True, n, e), {}), n, checks)
         s["verdicts"] = common.verdicts(s["targets"])
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
-        s, st = data["summary"], data["settings"]
+        s = data["summary"]
         rows = [
             [title, common.rank_state(s[a]["first"]), fmt(s[a]["step_ms"], ".2f")]
-            + [
-                fmt(s[a][k], ".3f")
-                for k in ("grad_mb", "broadcast_mb_max", "fsdp_mb_max", "sent_mb_max", "ring_mb_max")
-            ]
+            + [fmt(s[a][k], ".3f") for k in MB_COLUMNS]
             + [fmt(s[a]["rss_mb_max"], ".0f")]
             for a, title in data["arms"].items()
         ]
         calls = sorted({v["first"]["broadcast_calls"] for a, v in s.items() if a in data["arms"] and v["first"]} - {0})
-        return [
-            f"# Optimizer-state sharding on the {data['workload_label']}",
-            "",
-            "`MirroredStrategy(shard_optimizer_state=True)` (`sharding_engine='zero'`: ZeRO stage 1 on torch's"
-            " `ZeroRedundancyOptimizer`; `'fsdp2'`: torch's `fully_shard`, where run) against plain `ds_mirrored`,"
-            f" on {' and '.join(str(n) for n in st['procs'])} CPU processes (gloo, 1 thread each);"
-            + common.setup_line(data)
-            + " Median [min - max] over repeats; each ratio is sharded / plain of the same process count and repeat.",
-            "",
-            *harness.markdown_table(COLUMNS, rows),
-            "",
-            *harness.markdown_table(
-                ["target", "processes", "sharded / plain", "limit", "verdict"],
-                [[t["what"], t["procs"], *common.target_cells(t)] for t in s["targets"]],
-            ),
-            "",
-            *(n.replace("{calls}", " or ".join(str(c) for c in calls) or "-") for n in NOTES),
-            *common.failed(data),
+        targets = [[t["what"], t["procs"], *common.target_cells(t)] for t in s["targets"]]
+        tables = [
+            harness.markdown_table(COLUMNS, rows),
+            harness.markdown_table(["target", "processes", "sharded / plain", "limit", "verdict"], targets),
         ]
+        notes = [n.replace("{calls}", " or ".join(str(c) for c in calls) or "-") for n in NOTES]
+        return self.page(data, INTRO, "sharded / plain", tables, notes)
 
 
 if __name__ == "__main__":

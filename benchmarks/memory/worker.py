@@ -1,13 +1,9 @@
-"""One memory-benchmark run: ``ds_mirrored``, plain or sharded (``engine`` zero or fsdp2), on N CPU processes.
-
-Started by ``driver.py`` with a JSON spec; after training every rank reads its own figures and rank 0 gathers them
-into ``result.json`` (see ``README.md``).
-"""
+"""One memory-benchmark run: ``ds_mirrored``, plain or sharded (``engine`` zero or fsdp2), on N CPU processes; rank
+0 gathers every rank's figures into ``result.json`` (see ``README.md``)."""
 
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,8 +24,13 @@ from benchmarks.harness import workloads as _workloads
 from benchmarks.harness.timing import StepTimer
 from benchmarks.harness.trainer import quiet_trainer
 from benchmarks.mirrored.worker import BenchModel
-from benchmarks.sharding_engines.common import broadcast_bytes, broadcasts_per_step, fsdp_bytes, make_optimizer
-from ds_lightning.sharding import optimizer_state_bytes
+from benchmarks.sharding_engines.common import (
+    broadcast_bytes,
+    broadcasts_per_step,
+    fsdp_bytes,
+    make_optimizer,
+    rank_figures,
+)
 
 
 class AdamModel(BenchModel):
@@ -55,20 +56,15 @@ class MemoryReading(Callback):
             sent, calls = broadcast_bytes(partition, bucket_view)[rank], broadcasts_per_step(partition, bucket_view)
         fsdp2 = isinstance(trainer.strategy.model, FSDPModule)
         gather, scatter = fsdp_bytes(list(pl_module.parameters()), world) if fsdp2 else (0, 0)
-        mine = {
-            "rank": rank,
-            "optimizer_class": type(optimizer).__name__,
-            "state_bytes": optimizer_state_bytes(optimizer),
+        counted = {
             "allreduce_bytes": 0.0 if fsdp2 else float(trainer.strategy.comm_bytes_per_step),
             "broadcast_bytes": sent,
             "broadcast_calls": calls,
             "allgather_bytes": gather,
             "reducescatter_bytes": scatter,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # KiB on Linux
         }
-        gathered: list[Any] = [None] * world
-        dist.all_gather_object(gathered, mine)
-        self.ranks = gathered
+        self.ranks = [None] * world
+        dist.all_gather_object(self.ranks, rank_figures(rank, optimizer, counted))
 
 
 def main(spec_path: str) -> None:
@@ -78,12 +74,9 @@ def main(spec_path: str) -> None:
     workload = _workloads.build(spec["workload"], spec["hidden"])
     timer, reading = StepTimer(warmup=spec["warmup"]), MemoryReading()
     strategy = ds_lightning.MirroredStrategy(shard_optimizer_state=spec["sharded"], sharding_engine=spec["engine"])
+    steps = spec["warmup"] + spec["steps"]
     trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=spec["procs"],
-        strategy=strategy,
-        max_steps=spec["warmup"] + spec["steps"],
-        callbacks=[timer, reading],
+        accelerator="cpu", devices=spec["procs"], strategy=strategy, max_steps=steps, callbacks=[timer, reading]
     )
     loader = DataLoader(workload.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
     trainer.fit(AdamModel(workload), train_dataloaders=loader)
