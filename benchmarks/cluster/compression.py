@@ -1,6 +1,5 @@
-"""Part 1 of the cluster benchmark (``gradient_compression`` on shaped links, and ``"auto"`` against the best fixed
-setting): its configurations, rounds, long accuracy or perplexity runs, summary and verdicts. See README.md.
-"""
+"""Part 1 of the cluster benchmark: ``gradient_compression`` on shaped links, and ``"auto"`` against the best fixed
+setting. See README.md."""
 
 from __future__ import annotations
 
@@ -9,19 +8,9 @@ import statistics
 from typing import Any
 
 from benchmarks import harness
+from benchmarks.cluster import report
 from benchmarks.cluster.launch import run_configs, shape_links
-from benchmarks.cluster.report import (
-    ACC_TOLERANCE_POINTS,
-    GPT_LR,
-    LABELS,
-    LR,
-    NO_NETEM,
-    PPL_TOLERANCE,
-    TARGET_LINK,
-    TARGET_SPEEDUP,
-    WORKERS,
-    links_of,
-)
+from benchmarks.cluster.report import WORKERS, links_of
 from benchmarks.harness import round_order, spread
 from benchmarks.harness import workloads as _workloads
 from benchmarks.mirrored.auto import AUTO, CLUSTER_TARGET, choices, timed_choices
@@ -48,6 +37,10 @@ def model_defaults(opts: argparse.Namespace) -> argparse.Namespace:
     return _workloads.fill_defaults(opts, full, {m: d[1] for m, d in MODEL_DEFAULTS.items()})
 
 
+def _shaped(cluster: netns.Cluster, link: dict[str, Any]) -> dict[str, Any]:
+    return shape_links(cluster, {i: (link["rate_mbit"], link["delay_ms"]) for i in range(WORKERS)})
+
+
 def compression_configs(opts: argparse.Namespace) -> list[dict[str, Any]]:
     configs: list[dict[str, Any]] = [{"name": c, "compression": c} for c in ("none", "fp16", "bf16")]
     start = {"powersgd_start_iter": opts.powersgd_start_iter}
@@ -64,7 +57,12 @@ def compression_configs(opts: argparse.Namespace) -> list[dict[str, Any]]:
 
 def compression_spec(opts: argparse.Namespace, steps: int, warmup: int) -> dict[str, Any]:
     gpt = opts.model == "gpt"
-    spec = {"kind": "compression", "hidden": opts.hidden, "lr": GPT_LR if gpt else LR, "batch_size": opts.batch_size}
+    spec = {
+        "kind": "compression",
+        "hidden": opts.hidden,
+        "lr": report.GPT_LR if gpt else report.LR,
+        "batch_size": opts.batch_size,
+    }
     spec |= {"seed": 0, "dist_timeout": opts.dist_timeout, "warmup": warmup, "steps": steps}
     return spec | {"workload": _workloads.spec_of(opts)} | ({"val_windows": opts.val_windows} if gpt else {})
 
@@ -84,22 +82,11 @@ def merge_compression(ranks: dict[int, dict[str, Any]], warmup: int) -> dict[str
     }
 
 
-def _shown(name: str, result: dict[str, Any]) -> None:
-    if "error" in result:
-        return
-    figure = f"ppl {result['final_ppl']:.3f}" if "final_ppl" in result else f"acc {result['final_acc']:.3f}"
-    figure += f", auto chose {result['auto']['choice']}" if "auto" in result else ""
-    print(f"  {name}: {result['median_step_ms']:8.1f} ms/step, {result['bytes_per_step'] / 1e6:7.3f} MB/step, {figure}")
-
-
 def _run(
-    cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace, label: str
+    cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace
 ) -> dict[str, Any]:
-    records, _ = run_configs(cluster, spec, configs, opts)
-    out = {n: rec if "error" in rec else merge_compression(rec, spec["warmup"]) for n, rec in records.items()}
-    for name, result in out.items():
-        _shown(f"{label} {name:>12}", result)
-    return out
+    records = run_configs(cluster, spec, configs, opts)
+    return {n: rec if "error" in rec else merge_compression(rec, spec["warmup"]) for n, rec in records.items()}
 
 
 def run_compression_round(
@@ -109,16 +96,11 @@ def run_compression_round(
     spec = compression_spec(opts, opts.steps, opts.warmup)
     for link in round_order([link for link in links_of(opts.model) if link["key"] not in setup["unsupported"]], r):
         try:
-            shaped = shape_links(cluster, {i: (link["rate_mbit"], link["delay_ms"]) for i in range(WORKERS)})
+            setup["links"].setdefault(link["key"], _shaped(cluster, link))
         except netns.ShapingUnsupportedError as error:
-            setup["unsupported"][link["key"]] = f"{NO_NETEM} ({error})"
-            print(f"  repeat {r + 1} part 1 {link['label']}: {NO_NETEM}", flush=True)
+            setup["unsupported"][link["key"]] = f"{report.NO_NETEM} ({error})"
             continue
-        setup["links"].setdefault(link["key"], shaped)
-        out = _run(
-            cluster, spec, round_order(compression_configs(opts), r), opts, f"repeat {r + 1} {link['label']:>11}"
-        )
-        for name, result in out.items():
+        for name, result in _run(cluster, spec, round_order(compression_configs(opts), r), opts).items():
             raw[link["key"]][name].append(result)
 
 
@@ -127,53 +109,57 @@ def run_accuracy(
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``--acc-steps`` steps per setting on the unshaped link (the link changes a step's duration, not its result),
     and auto's on each shaped link it was timed on (what auto computes depends on the link it measures)."""
-    for host in cluster.hosts:
-        cluster.unshape(host)
+    shape_links(cluster, {})
     warmup = min(2, opts.acc_steps - 1)
     spec = compression_spec(opts, opts.acc_steps - warmup, warmup)
     configs = compression_configs(opts)
-    fixed = _run(cluster, spec, [c for c in configs if c["compression"] != AUTO], opts, "accuracy run")
+    fixed = _run(cluster, spec, [c for c in configs if c["compression"] != AUTO], opts)
     auto: dict[str, Any] = {}
     for link in links_of(opts.model) if any(c["compression"] == AUTO for c in configs) else []:
         if link["key"] not in setup["unsupported"]:
-            shape_links(cluster, {i: (link["rate_mbit"], link["delay_ms"]) for i in range(WORKERS)})
-            auto[link["key"]] = _run(cluster, spec, configs[-1:], opts, f"accuracy run at {link['label']}")[AUTO]
+            _shaped(cluster, link)
+            auto[link["key"]] = _run(cluster, spec, configs[-1:], opts)[AUTO]
     return fixed, auto
+
+
+def spreads(runs: list[dict[str, Any]], keys: dict[str, Any]) -> dict[str, Any]:
+    """``failed_runs``, ``errors`` and a spread per key over the runs that did not fail (``keys``: name -> reader)."""
+    ok = [r for r in runs if "error" not in r]
+    out = {"failed_runs": len(runs) - len(ok), "errors": [r["error"] for r in runs if "error" in r]}
+    return out | {k: spread([read(r) for r in ok]) for k, read in keys.items()}
+
+
+def paired_runs(
+    runs: list[dict[str, Any]], base: list[dict[str, Any]], key: str, op: Any = lambda x, y: x / y
+) -> dict[str, Any] | None:
+    """Spread of ``op(run, base)`` over the repeats where neither failed."""
+    return spread(
+        [op(x[key], y[key]) for x, y in zip(runs, base, strict=False) if "error" not in x and "error" not in y]
+    )
 
 
 def summarise_compression(raw: dict[str, dict[str, list[dict[str, Any]]]], tokens: int | None = None) -> dict[str, Any]:
     """Per link and setting: spreads over the repeats, the speed-up over none per repeat; ``tokens`` per step (the
     GPT's) adds ``tokens_per_s`` and reads ``final_ppl`` where the digits have ``final_acc``."""
     metric = "final_acc" if tokens is None else "final_ppl"
-    out: dict[str, Any] = {}
-    for key, configs in raw.items():
-        out[key] = {}
-        for name, runs in configs.items():
-            ok = [r for r in runs if "error" not in r]
-            pairs = [
-                (b, x)
-                for b, x in zip(configs.get("none", []), runs, strict=False)
-                if "error" not in b and "error" not in x
-            ]
-            out[key][name] = {
-                "runs": len(runs),
-                "failed_runs": len(runs) - len(ok),
-                "errors": [r["error"] for r in runs if "error" in r],
-                "step_ms": spread([r["median_step_ms"] for r in ok]),
-                "bytes_per_step": spread([r["bytes_per_step"] for r in ok]),
-                metric: spread([r[metric] for r in ok]),
-                "speedup_over_none": spread([b["median_step_ms"] / x["median_step_ms"] for b, x in pairs]),
-            }
-            if tokens is not None:
-                out[key][name]["tokens_per_s"] = spread([tokens * 1000 / r["median_step_ms"] for r in ok])
-    return out
+    keys = {k: lambda r, k=k: r[k] for k in ("bytes_per_step", metric)} | {"step_ms": lambda r: r["median_step_ms"]}
+    if tokens is not None:
+        keys["tokens_per_s"] = lambda r: tokens * 1000 / r["median_step_ms"]
+    return {
+        key: {
+            name: {"runs": len(runs), **spreads(runs, keys)}
+            | {"speedup_over_none": paired_runs(runs, configs.get("none", []), "median_step_ms", lambda x, b: b / x)}
+            for name, runs in configs.items()
+        }
+        for key, configs in raw.items()
+    }
 
 
 def _within(value: float | None, base: float | None, gpt: bool) -> bool | None:
     """Whether a final accuracy or perplexity is within the verdict's bounds of none's (``None``: no figure)."""
     if value is None or base is None:
         return None
-    return value / base <= 1 + PPL_TOLERANCE if gpt else 100 * (base - value) <= ACC_TOLERANCE_POINTS
+    return value / base <= 1 + report.PPL_TOLERANCE if gpt else 100 * (base - value) <= report.ACC_TOLERANCE_POINTS
 
 
 def verdict(comp: dict[str, Any], accuracy: dict[str, Any], configs: list[dict[str, Any]], gpt: bool) -> dict[str, Any]:
@@ -181,34 +167,29 @@ def verdict(comp: dict[str, Any], accuracy: dict[str, Any], configs: list[dict[s
     2%) bounds of none's after the same steps, against the 5x target; the GPT adds the smallest PowerSGD rank within."""
     metric = "final_ppl" if gpt else "final_acc"
     base = accuracy.get("none", {}).get(metric)
-
-    def excess(name: str) -> float | None:
-        value = accuracy.get(name, {}).get(metric)
-        if value is None or base is None:
-            return None
-        return round(value / base, 4) if gpt else round(100 * (value - base), 1)
-
     best, value, excluded = None, None, {}
-    for name, v in comp.get(TARGET_LINK, {}).items():
+    for name, v in comp.get(report.TARGET_LINK, {}).items():
         if name in ("none", AUTO) or v["speedup_over_none"] is None:  # auto has its own targets
             continue
-        if not _within(accuracy.get(name, {}).get(metric), base, gpt):
-            excluded[name] = excess(name)
+        mine = accuracy.get(name, {}).get(metric)
+        if not _within(mine, base, gpt):
+            excess = None if mine is None or base is None else mine / base if gpt else 100 * (mine - base)
+            excluded[name] = None if excess is None else round(excess, 4 if gpt else 1)
         elif value is None or v["speedup_over_none"]["median"] > value["median"]:
             best, value = name, v["speedup_over_none"]
     bound = (
-        f"whose validation perplexity after the same tokens is within {100 * PPL_TOLERANCE:g}% of none's"
+        f"whose validation perplexity after the same tokens is within {100 * report.PPL_TOLERANCE:g}% of none's"
         if gpt
-        else f"within {ACC_TOLERANCE_POINTS:g} point of none's accuracy after the same steps"
+        else f"within {report.ACC_TOLERANCE_POINTS:g} point of none's accuracy after the same steps"
     )
     out = {
         "target": f"step time at 100 Mbit/s: best gradient_compression vs none, among settings {bound}",
-        "goal": f">= {TARGET_SPEEDUP:g}x faster",
+        "goal": f">= {report.TARGET_SPEEDUP:g}x faster",
         "best": best,
         "value": value,
         f"excluded_for_{'ppl_ratio' if gpt else 'accuracy_points'}": excluded,
-        "met": harness.is_met(value, at_least=TARGET_SPEEDUP),
-        "verdict": harness.verdict(value, at_least=TARGET_SPEEDUP),
+        "met": harness.is_met(value, at_least=report.TARGET_SPEEDUP),
+        "verdict": harness.verdict(value, at_least=report.TARGET_SPEEDUP),
     }
     if gpt:
         ranks = sorted((c["powersgd_rank"], c["name"]) for c in configs if c["compression"] == "powersgd")
@@ -219,11 +200,6 @@ def verdict(comp: dict[str, Any], accuracy: dict[str, Any], configs: list[dict[s
         out["powersgd_ranks"] = [rank for rank, _ in ranks]
         out["powersgd_rank_within_tolerance"] = passing[0] if passing else None
     return out
-
-
-def _per_repeat(auto: list[dict[str, Any]], other: list[dict[str, Any]]) -> dict[str, Any] | None:
-    pairs = [(a, b) for a, b in zip(auto, other, strict=False) if "error" not in a and "error" not in b]
-    return spread([a["median_step_ms"] / b["median_step_ms"] for a, b in pairs])
 
 
 def summarise_auto(
@@ -249,7 +225,8 @@ def summarise_auto(
         }
         best = min(admitted, key=admitted.__getitem__) if admitted else None
         fastest = min(medians, key=medians.__getitem__) if medians else None
-        over_best = _per_repeat(runs[AUTO], runs[best]) if best else None
+        over_best = paired_runs(runs[AUTO], runs[best], "median_step_ms") if best else None
+        ok = [r for r in runs[AUTO] if "error" not in r]
         long = accuracy_auto.get(key, {})
         speed_met, acc_met = harness.is_met(over_best, at_most=CLUSTER_TARGET), _within(long.get(metric), base, gpt)
         out[key] = {
@@ -260,18 +237,14 @@ def summarise_auto(
             "best_step_ms": link[best]["step_ms"] if best else None,
             "over_best": over_best,
             "fastest": fastest,
-            "over_fastest": _per_repeat(runs[AUTO], runs[fastest]) if fastest else None,
+            "over_fastest": paired_runs(runs[AUTO], runs[fastest], "median_step_ms") if fastest else None,
             "speed_met": speed_met,
             metric: long.get(metric),
             f"none_{metric}": base,
             "accuracy_met": acc_met,
             "accuracy_error": long.get("error"),
             "met": None if speed_met is None or acc_met is None else speed_met and acc_met,
-            "choices": choices(
-                [r.get("auto") for r in runs[AUTO] if "error" not in r],
-                settings["warmup"],
-                settings["warmup"] + settings["steps"],
-            ),
+            "choices": choices([r.get("auto") for r in ok], settings["warmup"], settings["warmup"] + settings["steps"]),
             "long_run": {
                 "steps": long.get("steps"),
                 "step_ms": long.get("median_step_ms"),
@@ -282,16 +255,36 @@ def summarise_auto(
     return out
 
 
-def auto_verdicts(summary: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Per link: auto / best per repeat, which must also keep the accuracy or perplexity within the bounds."""
-    return [
+def summarise_part1(data: dict[str, Any]) -> dict[str, Any]:
+    """Part 1's summary (``compression`` None when it did not run), its 5x ``targets`` and, with the arm, ``auto``."""
+    settings, raw = data["settings"], data["raw"]["compression"]
+    if "compression" not in settings["parts"]:
+        return {"compression": None, "targets": []}
+    gpt = settings.get("model") == "gpt"
+    comp = summarise_compression(raw, WORKERS * settings["batch_size"] * settings["gpt_block"] if gpt else None)
+    accuracy, configs = data.get("accuracy") or {}, data["compression_configs"]
+    out = {"compression": comp, "targets": [verdict(comp, accuracy, configs, gpt)]}
+    if any(c["compression"] == AUTO for c in configs):
+        out["auto"] = summarise_auto(comp, raw, accuracy, data.get("accuracy_auto") or {}, settings)
+    return out
+
+
+def part1_verdicts(targets: list[dict[str, Any]], auto: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The 5x target; per link, auto / best per repeat, which must also keep the accuracy or perplexity in bounds."""
+    best = [
         harness.judged(
-            f"auto / best fixed setting step time at {LABELS.get(key, key)}, its"
+            f"{t['target']} (best: {t['best'] or '-'})", t["value"], at_least=report.TARGET_SPEEDUP, unit="x"
+        )
+        for t in targets
+    ]
+    return best + [
+        harness.judged(
+            f"auto / best fixed setting step time at {report.LABELS.get(key, key)}, its"
             f" {'perplexity' if 'final_ppl' in v else 'accuracy'} within the bounds",
             v["over_best"],
             at_most=CLUSTER_TARGET,
             unit="x",
             holds=v["accuracy_met"],
         )
-        for key, v in (summary or {}).items()
+        for key, v in (auto or {}).items()
     ]

@@ -1,7 +1,5 @@
-"""Benchmarks on shaped links of a multi-host cluster of network namespaces (root), every task driven by TF_CONFIG:
-(1) gradient_compression and "auto", (2) ds_parameter_server vs ds_mirrored and (3) DynamicLoadBalancer on an uneven
-link, (4) the two-level all-reduce. The question, arms, targets and what a full run does are in README.md.
-"""
+"""Benchmarks on shaped links of a multi-host cluster of network namespaces (root): gradient_compression and "auto",
+ds_parameter_server vs ds_mirrored, DynamicLoadBalancer on an uneven link, the two-level all-reduce. See README.md."""
 
 from __future__ import annotations
 
@@ -14,40 +12,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import harness
-from benchmarks.cluster.compression import (
-    auto_verdicts,
-    compression_configs,
-    model_defaults,
-    run_accuracy,
-    run_compression_round,
-    summarise_auto,
-    summarise_compression,
-    verdict,
-)
-from benchmarks.cluster.hierarchical import add_options as add_hierarchical_options
-from benchmarks.cluster.hierarchical import (
-    hierarchical_configs,
-    hierarchical_markdown,
-    hierarchical_verdicts,
-    plot_hierarchical,
-    run_hierarchical_round,
-    summarise_hierarchical,
-)
+from benchmarks.cluster import compression, hierarchical, report
+from benchmarks.cluster.compression import paired_runs, spreads
 from benchmarks.cluster.launch import LAUNCHES, probe_link, run_configs, shape_links
-from benchmarks.cluster.report import (
-    BALANCED,
-    BATCH,
-    EQUAL,
-    LR,
-    MIRRORED,
-    TARGET_SPEEDUP,
-    UNEVEN_MBIT,
-    WORKERS,
-    links_of,
-    markdown,
-    plot,
-    setup_line,
-)
+from benchmarks.cluster.report import BALANCED, BATCH, EQUAL, MIRRORED, UNEVEN_MBIT, WORKERS
 from benchmarks.harness import round_order, spread
 from benchmarks.harness import workloads as _workloads
 from benchmarks.load_balance.driver import reading as balance_reading
@@ -96,49 +64,29 @@ def run_uneven_round(
         server.append({"name": PS_ASYNC, "strategy": "ds_parameter_server", **ps})
     if "balance" in opts.parts:
         shared += [{"name": EQUAL, "interval": 0, **balance}, {"name": BALANCED, "interval": opts.interval, **balance}]
-    base = {"kind": "uneven", "hidden": opts.ps_hidden, "lr": LR, "seed": 0, "dist_timeout": opts.dist_timeout}
     # The digits whatever --model: on the GPT, parts 2 and 3 are parameter_server's and load_balance's benchmarks.
-    base |= {"workers": WORKERS, "batch_size": BATCH, "workload": {"model": "digits"}}
+    base = {"kind": "uneven", "hidden": opts.ps_hidden, "lr": report.LR, "seed": 0, "workers": WORKERS}
+    base |= {"batch_size": BATCH, "workload": {"model": "digits"}, "dist_timeout": opts.dist_timeout}
     for group in round_order([g for g in (shared, server) if g], r):
-        spec = {**base, "with_ps": group is server}
-        records, launches = run_configs(cluster, spec, round_order(group, r), opts)
+        records = run_configs(cluster, {**base, "with_ps": group is server}, round_order(group, r), opts)
         for config in group:
             rec, part = records[config["name"]], config["kind"]
             if "error" not in rec:
                 rec = merge_ps(rec) if part == "ps" else merge_balance(rec, opts.balance_warmup_epochs)
-                print(f"  repeat {r + 1} {config['name']:>12}: {_brief(rec)}", flush=True)
             raw[part][config["name"]].append(rec)
-        print(f"    launches: {', '.join(f'{s:.0f} s' for s in launches)}", flush=True)
-
-
-def _brief(rec: dict[str, Any]) -> str:
-    if "samples_per_s" in rec:
-        return f"{rec['samples_per_s']:7.1f} samples/s, steps {rec['steps']}, acc {rec['final_acc']:.3f}"
-    return f"epoch {rec['median_epoch_s']:.2f} s, final sizes {rec['final_sizes']}, acc {rec['final_acc']:.3f}"
-
-
-def _spreads(runs: list[dict[str, Any]], keys: dict[str, Any]) -> dict[str, Any]:
-    """``failed_runs``, ``errors`` and a spread per key over the runs that did not fail (``keys``: name -> reader)."""
-    ok = [r for r in runs if "error" not in r]
-    out = {"failed_runs": len(runs) - len(ok), "errors": [r["error"] for r in runs if "error" in r]}
-    return out | {k: spread([read(r) for r in ok]) for k, read in keys.items()}
-
-
-def _paired(runs: list[dict[str, Any]], base: list[dict[str, Any]], key: str, op: Any) -> dict[str, Any] | None:
-    return spread(
-        [op(x[key], y[key]) for x, y in zip(runs, base, strict=False) if "error" not in x and "error" not in y]
-    )
 
 
 def summarise_ps(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     keys = {k: lambda r, k=k: r[k] for k in ("samples_per_s", "samples", "train_s", "final_acc")}
     for w in (0, 1):
         keys |= {f"steps_w{w}": lambda r, w=w: r["steps"][w], f"step_ms_w{w}": lambda r, w=w: r["step_ms"][w]}
-    out = {name: _spreads(runs, keys) for name, runs in raw.items()}
+    out = {name: spreads(runs, keys) for name, runs in raw.items()}
     for name, runs in raw.items():
         if name != MIRRORED:
-            out[name]["throughput_over_mirrored"] = _paired(runs, raw[MIRRORED], "samples_per_s", lambda x, y: x / y)
-            out[name]["acc_points_vs_mirrored"] = _paired(runs, raw[MIRRORED], "final_acc", lambda x, y: 100 * (x - y))
+            out[name]["throughput_over_mirrored"] = paired_runs(runs, raw[MIRRORED], "samples_per_s")
+            out[name]["acc_points_vs_mirrored"] = paired_runs(
+                runs, raw[MIRRORED], "final_acc", lambda x, y: 100 * (x - y)
+            )
     return out
 
 
@@ -148,11 +96,11 @@ def summarise_balance(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     keys |= {"final_share_rank0": lambda r: r["final_share_rank0"]}
     out: dict[str, Any] = {}
     for name, runs in raw.items():
-        out[name] = _spreads(runs, keys)
+        out[name] = spreads(runs, keys)
         out[name]["final_sizes"] = [r["final_sizes"] for r in runs if "error" not in r]
         out[name]["final_acc"] = spread([r["final_acc"] for r in runs if "error" not in r])
     for key, figure in (("ratio_epoch", "median_epoch_s"), ("ratio_step", "median_step_ms")):
-        out[key] = _paired(raw.get(BALANCED, []), raw.get(EQUAL, []), figure, lambda x, y: x / y)
+        out[key] = paired_runs(raw.get(BALANCED, []), raw.get(EQUAL, []), figure)
     return out
 
 
@@ -165,37 +113,38 @@ class Cluster(harness.Benchmark):
     quick = {"repeats": 1, "ps_steps": 8, "balance_epochs": 1, "balance_warmup_epochs": 1, "hier_steps": 2}
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        add = parser.add_argument
-        add("--steps", type=int, default=None, help="part 1: timed steps per run (digits 3, GPT 6; --quick 2)")
-        add("--warmup", type=int, default=None, help="part 1: warm-up steps per run (2; --quick 1)")
-        add("--acc-steps", type=int, default=None, help="part 1: steps of the accuracy/perplexity runs (60, 150; 6)")
-        add("--batch-size", type=int, default=None, help="part 1: batch per worker (digits 32, GPT 8 windows)")
-        add("--val-windows", type=int, default=64, help="GPT: validation windows of the perplexity (64)")
-        add("--hidden", type=int, nargs="+", default=[2240, 2240, 2240], help="part 1's hidden widths (digits)")
-        add("--powersgd-ranks", type=int, nargs="+", default=None, help="PowerSGD ranks (digits 4, GPT 4 16)")
-        add("--powersgd-start-iter", type=int, default=1, help="plain all-reduce steps first (1; auto's too)")
-        add(
-            "--auto-powersgd-rank",
-            type=int,
-            default=None,
-            help="the auto arm's powersgd_rank (digits 4, GPT 16; 0: none)",
-        )
-        add("--auto-interval", type=int, default=None, help="the auto arm's auto_interval (the strategy's default)")
-        add("--ps-hidden", type=int, nargs="+", default=[1024, 1024], help="parts 2 and 3's widths")
-        add("--ps-steps", type=int, default=None, help="part 2: ds_mirrored steps per worker (20; 8)")
-        add("--balance-epochs", type=int, default=None, help="part 3: timed epochs (3; 1 with --quick)")
-        add("--balance-warmup-epochs", type=int, default=None, help="part 3: untimed epochs (2; 1)")
-        add("--global-batch", type=int, default=512, help="part 3: samples per step (512)")
-        add("--interval", type=int, default=3, help="part 3: the balancer's re-division interval (3)")
+        def add(flag: str, kind: Any, default: Any, help: str, **kw: Any) -> None:
+            parser.add_argument(flag, type=kind, default=default, help=help, **kw)
+
+        many = {"nargs": "+"}
+        add("--steps", int, None, "part 1: timed steps per run (digits 3, GPT 6; --quick 2)")
+        add("--warmup", int, None, "part 1: warm-up steps per run (2; --quick 1)")
+        add("--acc-steps", int, None, "part 1: steps of the accuracy/perplexity runs (60, 150; 6)")
+        add("--batch-size", int, None, "part 1: batch per worker (digits 32, GPT 8 windows)")
+        add("--val-windows", int, 64, "GPT: validation windows of the perplexity (64)")
+        add("--hidden", int, [2240, 2240, 2240], "part 1's hidden widths (digits)", **many)
+        add("--powersgd-ranks", int, None, "PowerSGD ranks (digits 4, GPT 4 16)", **many)
+        add("--powersgd-start-iter", int, 1, "plain all-reduce steps first (1; auto's too)")
+        add("--auto-powersgd-rank", int, None, "the auto arm's powersgd_rank (digits 4, GPT 16; 0: none)")
+        add("--auto-interval", int, None, "the auto arm's auto_interval (the strategy's default)")
+        add("--ps-hidden", int, [1024, 1024], "parts 2 and 3's widths", **many)
+        add("--ps-steps", int, None, "part 2: ds_mirrored steps per worker (20; 8)")
+        add("--balance-epochs", int, None, "part 3: timed epochs (3; 1 with --quick)")
+        add("--balance-warmup-epochs", int, None, "part 3: untimed epochs (2; 1)")
+        add("--global-batch", int, 512, "part 3: samples per step (512)")
+        add("--interval", int, 3, "part 3: the balancer's re-division interval (3)")
         parts = ["compression", "ps", "balance", "hierarchical"]
-        add("--parts", nargs="+", choices=parts, default=None, help="digits: all four; GPT: compression")
-        add_hierarchical_options(parser)
-        add("--timeout", type=float, default=240.0, help="seconds one configuration may take (240)")
-        add("--dist-timeout", type=int, default=120, help="seconds any collective or server reply waits")
+        add("--parts", str, None, "digits: all four; GPT: compression", nargs="+", choices=parts)
+        add("--hier-rate", float, 100.0, "part 4: inter-host link in Mbit/s (100)")
+        add("--hier-hidden", int, [1024, 1024], "part 4: the digits MLP's widths", **many)
+        add("--hier-steps", int, None, "part 4: timed steps per run (5; 2 with --quick)")
+        add("--hier-warmup", int, 2, "part 4: warm-up steps per run (2)")
+        add("--timeout", float, 240.0, "seconds one configuration may take (240)")
+        add("--dist-timeout", int, 120, "seconds any collective or server reply waits")
         _workloads.add_options(parser)
 
     def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
-        model_defaults(opts)
+        compression.model_defaults(opts)
         workload = _workloads.spec_of(opts)
         return {"workload": workload, "workload_label": _workloads.label(workload, opts.hidden)}
 
@@ -205,36 +154,33 @@ class Cluster(harness.Benchmark):
         if missing is not None:
             print(f"cluster benchmark skipped: the network-namespace cluster cannot be built here: {missing}")
             raise SystemExit(0)
+        configs = compression.compression_configs(opts)
         raw: dict[str, Any] = {
-            "compression": {
-                link["key"]: {c["name"]: [] for c in compression_configs(opts)} for link in links_of(opts.model)
-            },
+            "compression": {link["key"]: {c["name"]: [] for c in configs} for link in report.links_of(opts.model)},
             "ps": {MIRRORED: [], PS_ASYNC: []},
             "balance": {EQUAL: [], BALANCED: []},
-            "hierarchical": {c["name"]: [] for c in hierarchical_configs()},
+            "hierarchical": {c["name"]: [] for c in hierarchical.hierarchical_configs()},
         }
         setup: dict[str, Any] = {"links": {}, "unsupported": {}, "probes": {}}
-        accuracy: dict[str, Any] = {}
-        accuracy_auto: dict[str, Any] = {}
+        accuracy, accuracy_auto = {}, {}
         with netns.Cluster(3) as cluster:
             setup["hosts"] = [{"name": h.name, "address": h.address} for h in cluster.hosts]
             setup["qdisc_kind"] = "netem" if netns.netem_available() else "tbf (no netem in this kernel)"
             for label, rate in (("unshaped", None), ("1 Gbit/s", 1000.0), ("100 Mbit/s", 100.0)):
                 shape_links(cluster, {} if rate is None else {i: (rate, None) for i in range(WORKERS)})
                 setup["probes"][label] = probe_link(cluster, 1, 0, 200.0 if rate is None else rate / 8 * 1.5)
-                print(f"  link probe host 1 -> host 0, {label}: {setup['probes'][label] or 0:.0f} Mbit/s", flush=True)
             for r in range(opts.repeats):
                 if "compression" in opts.parts:
-                    run_compression_round(cluster, r, opts, raw["compression"], setup)
+                    compression.run_compression_round(cluster, r, opts, raw["compression"], setup)
                 if "ps" in opts.parts or "balance" in opts.parts:
                     run_uneven_round(cluster, r, opts, raw, setup)
                 if "hierarchical" in opts.parts:
-                    run_hierarchical_round(cluster, r, opts, raw["hierarchical"])
+                    hierarchical.run_hierarchical_round(cluster, r, opts, raw["hierarchical"])
             if "compression" in opts.parts:
-                accuracy, accuracy_auto = run_accuracy(cluster, opts, setup)
+                accuracy, accuracy_auto = compression.run_accuracy(cluster, opts, setup)
         runs = [*accuracy.values(), *(r for link in raw["compression"].values() for rs in link.values() for r in rs)]
         return {
-            "compression_configs": compression_configs(opts),
+            "compression_configs": configs,
             "params": next((r["params"] for r in runs if "params" in r), None),
             "setup": setup,
             "accuracy": accuracy,
@@ -245,31 +191,17 @@ class Cluster(harness.Benchmark):
         }
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
-        settings, parts, raw = data["settings"], data["settings"]["parts"], data["raw"]
-        gpt = settings.get("model") == "gpt"
-        tokens = WORKERS * settings["batch_size"] * settings["gpt_block"] if gpt else None
-        comp = summarise_compression(raw["compression"], tokens) if "compression" in parts else None
-        accuracy, configs = data.get("accuracy") or {}, data["compression_configs"]
-        targets = [] if comp is None else [verdict(comp, accuracy, configs, gpt)]
+        parts, raw = data["settings"]["parts"], data["raw"]
         out = {
-            "compression": comp,
+            **compression.summarise_part1(data),
             "ps": summarise_ps(raw["ps"]) if "ps" in parts else None,
             "balance": summarise_balance(raw["balance"]) if "balance" in parts else None,
-            "targets": targets,
         }
-        if comp is not None and any(c["compression"] == "auto" for c in configs):
-            out["auto"] = summarise_auto(comp, raw["compression"], accuracy, data.get("accuracy_auto") or {}, settings)
         if "hierarchical" in parts:
-            out["hierarchical"] = summarise_hierarchical(raw["hierarchical"])
+            out["hierarchical"] = hierarchical.summarise_hierarchical(raw["hierarchical"])
         out["verdicts"] = [
-            *(
-                harness.judged(
-                    f"{t['target']} (best: {t['best'] or '-'})", t["value"], at_least=TARGET_SPEEDUP, unit="x"
-                )
-                for t in targets
-            ),
-            *auto_verdicts(out.get("auto")),
-            *hierarchical_verdicts(out.get("hierarchical")),
+            *compression.part1_verdicts(out["targets"], out.get("auto")),
+            *hierarchical.hierarchical_verdicts(out.get("hierarchical")),
         ]
         return out
 
@@ -281,12 +213,12 @@ class Cluster(harness.Benchmark):
     def report(self, data: dict[str, Any]) -> list[str]:
         view = self.view(data)
         if view["parts"] != ["hierarchical"]:
-            lines = markdown(view)
+            lines = report.markdown(view)
         else:
             title = "# Two-level all-reduce in the network-namespace cluster (cluster benchmark, part 4)"
-            lines = [title, "", setup_line(view)]
+            lines = [title, "", report.setup_line(view)]
         if view.get("hierarchical"):
-            lines += hierarchical_markdown(view["hierarchical"], data["settings"])
+            lines += hierarchical.hierarchical_markdown(view["hierarchical"], data["settings"])
         return lines
 
     def file_stem(self, settings: dict[str, Any]) -> str:
@@ -300,10 +232,10 @@ class Cluster(harness.Benchmark):
         paths = []
         if not alone:
             paths.append(out / f"{stem}.png")
-            plot(self.view(data), paths[-1])
+            report.plot(self.view(data), paths[-1])
         if data["summary"].get("hierarchical"):
             paths.append(out / f"{stem if alone else self.name + '_hierarchical'}.png")
-            plot_hierarchical(data["summary"]["hierarchical"], paths[-1])
+            hierarchical.plot_hierarchical(data["summary"]["hierarchical"], paths[-1])
         return paths
 
 

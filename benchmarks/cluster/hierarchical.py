@@ -1,6 +1,5 @@
-"""Part 4 of the cluster benchmark: ds_mirrored's two-level all-reduce against the flat ring, 2 hosts x 2 processes;
-its runs, summary, verdicts, table and chart. See README.md.
-"""
+"""Part 4 of the cluster benchmark: ds_mirrored's two-level all-reduce against the flat ring, 2 hosts x 2 processes.
+See README.md."""
 
 from __future__ import annotations
 
@@ -36,35 +35,16 @@ GPT_LR = 1e-3
 GPT_BATCH = 8
 
 
-def add_options(parser: argparse.ArgumentParser) -> None:
-    add = parser.add_argument
-    add("--hier-rate", type=float, default=100.0, help="part 4: inter-host link in Mbit/s (100)")
-    add("--hier-hidden", type=int, nargs="+", default=[1024, 1024], help="part 4: the digits MLP's widths")
-    add("--hier-steps", type=int, default=None, help="part 4: timed steps per run (5; 2 with --quick)")
-    add("--hier-warmup", type=int, default=2, help="part 4: warm-up steps per run (2)")
-
-
 def hierarchical_configs() -> list[dict[str, Any]]:
     return [{"name": n, "kind": "hierarchical", "hierarchical": h, "compression": c} for n, h, c in CONFIGS]
 
 
 def hierarchical_spec(opts: argparse.Namespace, cluster: netns.Cluster, params_dir: str) -> dict[str, Any]:
-    gpt = getattr(opts, "model", "digits") == "gpt"
-    return {
-        "kind": "hierarchical",
-        "workload": _workloads.spec_of(opts),
-        "hidden": opts.hier_hidden,
-        "lr": GPT_LR if gpt else 0.05,  # the GPT: part 1's AdamW and windows; the digits: SGD, 32 samples
-        "batch_size": GPT_BATCH if gpt else 32,
-        "val_windows": opts.val_windows,
-        "seed": 0,
-        "steps": opts.hier_steps,
-        "warmup": opts.hier_warmup,
-        "devices": DEVICES,
-        "interface": cluster.hosts[0].interface,
-        "params_dir": params_dir,
-        "dist_timeout": opts.dist_timeout,
-    }
+    gpt = getattr(opts, "model", "digits") == "gpt"  # the GPT: part 1's AdamW and windows; the digits: SGD, 32
+    spec = {"kind": "hierarchical", "workload": _workloads.spec_of(opts), "hidden": opts.hier_hidden, "seed": 0}
+    spec |= {"lr": GPT_LR if gpt else 0.05, "batch_size": GPT_BATCH if gpt else 32, "val_windows": opts.val_windows}
+    spec |= {"steps": opts.hier_steps, "warmup": opts.hier_warmup, "devices": DEVICES, "params_dir": params_dir}
+    return spec | {"interface": cluster.hosts[0].interface, "dist_timeout": opts.dist_timeout}
 
 
 def merge_hierarchical(ranks: dict[int, dict[str, Any]], warmup: int) -> dict[str, Any]:
@@ -94,13 +74,9 @@ def run_hierarchical_round(
         spec = hierarchical_spec(opts, cluster, params_dir)
         done = {}
         for config in round_order(hierarchical_configs(), r):
-            found = run_configs(cluster, spec, [config], opts)[0][config["name"]]
-            done[config["name"]] = (
-                {"error": found["error"]} if "error" in found else merge_hierarchical(found, opts.hier_warmup)
-            )
-            done[config["name"]]["repeat"] = r
-            if "error" not in found:
-                print(f"    {config['name']}: {done[config['name']]['step_ms']:.0f} ms/step", flush=True)
+            found = run_configs(cluster, spec, [config], opts)[config["name"]]
+            reading = {"error": found["error"]} if "error" in found else merge_hierarchical(found, opts.hier_warmup)
+            done[config["name"]] = reading | {"repeat": r}
         for two_level, flat in PAIRS:
             files = [Path(params_dir, f"{n}.pt") for n in (two_level, flat)]
             if _same_compression(two_level, flat) and all(f.exists() for f in files):
@@ -108,8 +84,7 @@ def run_hierarchical_round(
                 done[two_level]["max_abs_diff_vs_flat"] = max(float((one[k] - two[k]).abs().max()) for k in one)
     for name, reading in done.items():
         raw[name].append(reading)
-    for host in cluster.hosts:
-        cluster.unshape(host)
+    shape_links(cluster, {})
 
 
 def summarise_hierarchical(raw: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:

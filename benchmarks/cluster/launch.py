@@ -25,41 +25,42 @@ _ENV_DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_
 _GRACE_S = 15.0  # how long the other tasks of a launch may run on after one of them failed
 LAUNCHES: list[dict[str, Any]] = []  # every launch: its configurations, duration, time to import, exit codes
 
-# Sends argv[2] bytes to argv[1]:argv[3] (the receiver times them); a link probe without torch.
-_SEND_CODE = (
-    "import socket, sys\n"
-    "s = socket.create_connection((sys.argv[1], int(sys.argv[3])), timeout=60)\n"
-    "left = int(sys.argv[2]); chunk = b'x' * (1 << 20)\n"
-    "while left > 0:\n"
-    "    s.sendall(chunk[: min(left, len(chunk))]); left -= len(chunk)\n"
-    "s.close()\n"
-)
-_RECEIVE_CODE = (
-    "import socket, sys, time\n"
-    "srv = socket.create_server((sys.argv[1], int(sys.argv[2]))); srv.settimeout(60)\n"
-    "print('ready', flush=True)\n"
-    "conn, _ = srv.accept(); conn.settimeout(60); got = 0; start = None\n"
-    "while True:\n"
-    "    data = conn.recv(1 << 20)\n"
-    "    if not data: break\n"
-    "    if start is None: start = time.perf_counter()\n"
-    "    got += len(data)\n"
-    "print(got, time.perf_counter() - start, flush=True)\n"
-)
+# A link probe without torch: the sender sends argv[2] bytes to argv[1]:argv[3], the receiver times them.
+_SEND_CODE = """import socket, sys
+s = socket.create_connection((sys.argv[1], int(sys.argv[3])), timeout=60)
+left = int(sys.argv[2]); chunk = b'x' * (1 << 20)
+while left > 0:
+    s.sendall(chunk[: min(left, len(chunk))]); left -= len(chunk)
+s.close()
+"""
+_RECEIVE_CODE = """import socket, sys, time
+srv = socket.create_server((sys.argv[1], int(sys.argv[2]))); srv.settimeout(60)
+print('ready', flush=True)
+conn, _ = srv.accept(); conn.settimeout(60); got = 0; start = None
+while True:
+    data = conn.recv(1 << 20)
+    if not data: break
+    if start is None: start = time.perf_counter()
+    got += len(data)
+print(got, time.perf_counter() - start, flush=True)
+"""
+
+
+def _unshape(cluster: netns.Cluster) -> None:
+    for host in cluster.hosts:
+        cluster.unshape(host)
 
 
 def shape_links(cluster: netns.Cluster, rates: dict[int, tuple[float, float | None]]) -> dict[str, Any]:
     """Host i's link shaped to ``rates[i]`` = (Mbit/s, delay ms or None), every other host's unshaped; raises
     ``netns.ShapingUnsupportedError`` (links left unshaped) for a delay on a kernel without netem."""
-    for host in cluster.hosts:
-        cluster.unshape(host)
-    kinds = {}
+    _unshape(cluster)
     try:
-        for index, (rate, delay) in rates.items():
-            kinds[index] = cluster.shape(cluster.hosts[index], rate_mbit=rate, delay_ms=delay)
+        kinds = {
+            i: cluster.shape(cluster.hosts[i], rate_mbit=rate, delay_ms=delay) for i, (rate, delay) in rates.items()
+        }
     except netns.ShapingUnsupportedError:
-        for host in cluster.hosts:
-            cluster.unshape(host)
+        _unshape(cluster)
         raise
     return {"qdisc": kinds, "tc": {i: cluster.qdiscs(cluster.hosts[i])[0].strip() for i in rates}}
 
@@ -67,21 +68,17 @@ def shape_links(cluster: netns.Cluster, rates: dict[int, tuple[float, float | No
 def probe_link(cluster: netns.Cluster, src: int, dst: int, mbytes: float) -> float | None:
     """TCP throughput from host ``src`` to host ``dst`` in Mbit/s (``mbytes`` MB sent), or None if the probe failed."""
     receiver, sender = cluster.hosts[dst], cluster.hosts[src]
-    port = free_port()
+    port = str(free_port())
+    code = [sys.executable, "-I", "-S", "-c"]
     recv = receiver.run(
-        [sys.executable, "-I", "-S", "-c", _RECEIVE_CODE, receiver.address, str(port)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+        [*code, _RECEIVE_CODE, receiver.address, port], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
     try:
         assert recv.stdout is not None
         if recv.stdout.readline().strip() != "ready":
             return None
-        size = int(mbytes * 1e6)
-        sender.check_output([sys.executable, "-I", "-S", "-c", _SEND_CODE, receiver.address, str(size), str(port)], 120)
-        out, _ = recv.communicate(timeout=60)
-        got, seconds = out.split()
+        sender.check_output([*code, _SEND_CODE, receiver.address, str(int(mbytes * 1e6)), port], 120)
+        got, seconds = recv.communicate(timeout=60)[0].split()
         return int(got) * 8 / float(seconds) / 1e6
     except (subprocess.SubprocessError, ValueError, OSError, AssertionError):
         return None
@@ -91,14 +88,13 @@ def probe_link(cluster: netns.Cluster, src: int, dst: int, mbytes: float) -> flo
             recv.wait()
 
 
-def _tf_config(cluster: netns.Cluster, with_ps: bool, port: int) -> tuple[dict[str, Any], list[tuple[int, str, int]]]:
+def _tasks(cluster: netns.Cluster, with_ps: bool) -> tuple[dict[str, Any], list[tuple[int, str, int]]]:
     """The cluster spec and the (host, task type, task index) of every task: workers on hosts 0 and 1, ps on 2."""
+    port = free_port()
     address = [f"{host.address}:{port}" for host in cluster.hosts]
     if with_ps:
-        return (
-            {"chief": [address[0]], "worker": [address[1]], "ps": [address[2]]},
-            [(0, "chief", 0), (1, "worker", 0), (2, "ps", 0)],
-        )
+        spec = {"chief": [address[0]], "worker": [address[1]], "ps": [address[2]]}
+        return spec, [(0, "chief", 0), (1, "worker", 0), (2, "ps", 0)]
     return {"worker": address[:WORKERS]}, [(i, "worker", i) for i in range(WORKERS)]
 
 
@@ -112,34 +108,25 @@ def launch(
         records = tmp / "records"
         records.mkdir()
         ranks = WORKERS * spec.get("devices", 1)  # every training process writes a record
-        tf_cluster, tasks = _tf_config(cluster, spec.get("with_ps", False), free_port())
+        paths = {c["name"]: [records / f"{c['name']}.rank{r}.json" for r in range(ranks)] for c in configs}
+        tf_cluster, tasks = _tasks(cluster, spec.get("with_ps", False))
         spec_path = tmp / "spec.json"
         spec_path.write_text(json.dumps({**spec, "configs": configs, "records": str(records)}))
-        procs, logs = [], []
+        procs, logs = [], [tmp / f"{task_type}{index}.log" for _, task_type, index in tasks]
         start = progress = time.monotonic()
         wall_start = time.time()
-        for host_index, task_type, task_index in tasks:
+        for (host, task_type, index), log in zip(tasks, logs, strict=True):
             env = harness.worker_env(threads=1, rendezvous=False)
             for variable in _ENV_DROP:
                 env.pop(variable, None)
-            env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "task": {"type": task_type, "index": task_index}})
-            log = tmp / f"{task_type}{task_index}.log"
-            logs.append(log)
+            env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "task": {"type": task_type, "index": index}})
             with log.open("w") as out:
-                procs.append(
-                    cluster.hosts[host_index].run(
-                        [sys.executable, str(WORKER), str(spec_path)],
-                        cwd=tmp,
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                    )
-                )
-        done, reason = 0, None
-        failed_at: float | None = None
+                command = [sys.executable, str(WORKER), str(spec_path)]
+                procs.append(cluster.hosts[host].run(command, cwd=tmp, env=env, stdout=out, stderr=subprocess.STDOUT))
+        done, reason, failed_at = 0, None, None
         while any(p.poll() is None for p in procs):
             now = time.monotonic()
-            finished = sum(all((records / f"{c['name']}.rank{r}.json").exists() for r in range(ranks)) for c in configs)
+            finished = sum(all(p.exists() for p in found) for found in paths.values())
             if finished > done:
                 done, progress = finished, now
             if failed_at is None and any(p.poll() not in (None, 0) for p in procs):
@@ -156,21 +143,16 @@ def launch(
                     os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         rcs = [p.returncode for p in procs]
-        texts = [log.read_text(errors="replace") for log in logs]
         result: dict[str, Any] = {"launch_s": time.monotonic() - start, "exit_codes": rcs, "records": {}}
-        for config in configs:
-            found = {}
-            for rank in range(ranks):
-                path = records / f"{config['name']}.rank{rank}.json"
-                if path.exists():
-                    found[rank] = json.loads(path.read_text())
-            if len(found) == ranks:
-                result["records"][config["name"]] = found
+        for name, found in paths.items():
+            if all(p.exists() for p in found):
+                result["records"][name] = {rank: json.loads(p.read_text()) for rank, p in enumerate(found)}
         imported = [json.loads(p.read_text())["imported_at"] for p in records.glob("started.*")]
         result["import_s"] = max(imported) - wall_start if imported else None
         if len(result["records"]) < len(configs):
+            texts = [log.read_text(errors="replace") for log in logs]
             why = reason or "exit codes " + ", ".join(f"{t[1]}{t[2]}={rc}" for t, rc in zip(tasks, rcs, strict=True))
-            errors = [e for e in (harness.error_line(t) for t in texts) if e]
+            errors = [e for e in map(harness.error_line, texts) if e]
             result["error"] = why + (f", {errors[0]}" if errors else "")
             result["log_tail"] = "\n".join(f"--- {log.name}\n{t[-1500:]}" for log, t in zip(logs, texts, strict=True))
         return result
@@ -180,27 +162,21 @@ def launch(
 
 def run_configs(
     cluster: netns.Cluster, spec: dict[str, Any], configs: list[dict[str, Any]], opts: argparse.Namespace
-) -> tuple[dict[str, dict[int, dict[str, Any]] | dict[str, Any]], list[float]]:
-    """Every configuration's records (or ``{"error": ...}``) and every launch's duration: a failed configuration is
-    recorded, the rest launched again."""
+) -> dict[str, Any]:
+    """Every configuration's records by rank (or ``{"error": ...}``): a failed configuration is recorded, the ones after
+    it launched again."""
     out: dict[str, Any] = {}
-    launches: list[float] = []
     remaining = list(configs)
     while remaining:
         result = launch(cluster, spec, remaining, opts)
-        launches.append(result["launch_s"])
         names = [c["name"] for c in remaining]
         LAUNCHES.append({"kind": spec["kind"], "configs": names, "error": result.get("error")})
         LAUNCHES[-1] |= {k: result[k] for k in ("launch_s", "import_s", "exit_codes")}
-        for i, config in enumerate(remaining):
-            name = config["name"]
-            if name in result["records"]:
-                out[name] = result["records"][name]
-                continue
-            out[name] = {"error": result.get("error", "no records"), "log_tail": result.get("log_tail", "")}
-            print(f"    {name}: FAILED {out[name]['error']}", flush=True)
-            remaining = remaining[i + 1 :]
-            break
-        else:
-            remaining = []
-    return out, launches
+        error = f", FAILED {result['error']}" if "error" in result else ""
+        print(f"  {spec['kind']} launch of {', '.join(names)}: {result['launch_s']:.0f} s{error}", flush=True)
+        failed = next((i for i, n in enumerate(names) if n not in result["records"]), len(names))
+        out |= {n: result["records"][n] for n in names[:failed]}
+        if failed < len(names):
+            out[names[failed]] = {"error": result.get("error", "no records"), "log_tail": result.get("log_tail", "")}
+        remaining = remaining[failed + 1 :]
+    return out

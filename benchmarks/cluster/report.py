@@ -1,6 +1,5 @@
-"""The cluster benchmark's constants and its page: tables and chart, all from the flat view of a finished run
-(``Cluster.view``), so ``--render`` needs no cluster. The method is in README.md.
-"""
+"""The cluster benchmark's constants and its page (tables and chart) from the flat view of a finished run
+(``Cluster.view``), so ``--render`` needs no cluster. The method is in README.md."""
 
 from __future__ import annotations
 
@@ -39,14 +38,12 @@ def links_of(model: str | None) -> list[dict[str, Any]]:
 
 
 def measured_links(data: dict[str, Any]) -> list[dict[str, Any]]:
-    """Part 1's links of a finished run, less those the kernel could not shape."""
     comp = data.get("compression") or {}
     return [link for link in LINKS if link["key"] in comp and link["key"] not in data["setup"]["unsupported"]]
 
 
 def title(data: dict[str, Any]) -> str:
-    """The page's first line: the workload it measured (parts 2 and 3 always train the digits)."""
-    small = f"64-{'-'.join(str(h) for h in data['ps_hidden'])}-10"
+    small = f"64-{'-'.join(str(h) for h in data['ps_hidden'])}-10"  # parts 2 and 3 always train the digits
     if data.get("model") == "gpt":
         label = data.get("workload_label") or _workloads.label(data.get("workload") or {"model": "gpt"})
         rest = f" (parts 2 and 3: digits MLP {small})" if {"ps", "balance"} & set(data["parts"]) else ""
@@ -55,16 +52,17 @@ def title(data: dict[str, Any]) -> str:
     return f"# Network-namespace cluster on the {big} (parts 2 and 3: {small})"
 
 
-def fmt_or(x: float | None, spec: str, unit: str = "") -> str:
+def _or(x: float | None, spec: str, unit: str = "") -> str:
     return "-" if x is None else f"{x:{spec}}{unit}"
 
 
-def _params(n: int | None) -> str:
-    return "?" if n is None else f"{n / 1e6:.2f}M"
+def _failed(v: dict[str, Any], of_runs: bool = False) -> str:
+    if not v["failed_runs"]:
+        return ""
+    return f" ({v['failed_runs']} of {v['runs']} failed)" if of_runs else f" ({v['failed_runs']} failed)"
 
 
 def setup_line(data: dict[str, Any]) -> str:
-    """The cluster, the measured links and the repeats; the method is the README's."""
     setup = data["setup"]
     probes = ", ".join(f"{k}: {v:.0f} Mbit/s" if v else f"{k}: failed" for k, v in setup.get("probes", {}).items())
     return (
@@ -76,11 +74,10 @@ def setup_line(data: dict[str, Any]) -> str:
 
 
 def part1_lines(data: dict[str, Any]) -> list[str]:
-    """Part 1's section: per setting and measured link the step time and speed-up (the GPT's tokens/s too), the
-    accuracy or perplexity of the long run, and which settings the verdict left out."""
+    """Per setting and link: step time, speed-up (the GPT's tokens/s too), the long run's accuracy or perplexity."""
     gpt = data.get("model") == "gpt"
-    comp, acc, setup, t = data["compression"], data.get("accuracy") or {}, data["setup"], data["targets"][0]
-    links = measured_links(data)
+    comp, acc, t = data["compression"], data.get("accuracy") or {}, data["targets"][0]
+    links, unsupported = measured_links(data), data["setup"]["unsupported"]
     tokens = WORKERS * data["batch_size"] * data["gpt_block"] if gpt else 0
     head = ["gradient_compression", "MB/step (timed)"]
     for link in links:
@@ -97,45 +94,46 @@ def part1_lines(data: dict[str, Any]) -> list[str]:
             if v is None or v["step_ms"] is None:
                 row += [f"failed ({v['failed_runs']} of {v['runs']})" if v else "-"] + ["-"] * (1 + gpt)
                 continue
-            failed = f" ({v['failed_runs']} of {v['runs']} failed)" if v["failed_runs"] else ""
-            row += [f"{fmt(v['step_ms'], '.0f')}{failed}", *[fmt(v.get("tokens_per_s"), ".0f")] * gpt]
+            row += [f"{fmt(v['step_ms'], '.0f')}{_failed(v, True)}", *[fmt(v.get("tokens_per_s"), ".0f")] * gpt]
             row.append("1" if name == "none" else f"**{fmt(v['speedup_over_none'], '.2f')}x**")
         a = acc.get(name, {})
         row.append(f"{a['median_step_ms']:.0f}" if "median_step_ms" in a else "failed")
         if gpt:
             ratio = t.get("ppl_ratio", {}).get(name)
-            row += [f"{a['final_ppl']:.3f}" if "final_ppl" in a else "failed", fmt_or(ratio, ".4f", "x")]
+            row += [f"{a['final_ppl']:.3f}" if "final_ppl" in a else "failed", _or(ratio, ".4f", "x")]
         else:
             points = None if base is None or "final_acc" not in a else 100 * (a["final_acc"] - base)
-            row += [f"{100 * a['final_acc']:.1f}" if "final_acc" in a else "failed", fmt_or(points, "+.1f", " points")]
+            row += [f"{100 * a['final_acc']:.1f}" if "final_acc" in a else "failed", _or(points, "+.1f", " points")]
         rows.append(row)
-    intro = (
-        f"**1. ds_mirrored gradient_compression on shaped links** ({data.get('workload_label')},"
-        f" {_params(data.get('params'))} parameters; {data['warmup']} warm-up + {data['steps']} timed steps per run;"
-        f" {'perplexity' if gpt else 'accuracy'} after {data['acc_steps']} steps on the unshaped link;"
-        f" powersgd_start_iter={data['powersgd_start_iter']})."
-    )
-    lines = [intro, "", *markdown_table(head, rows), ""]
-    if setup["unsupported"]:
-        lines += [f"{', '.join(LABELS[k] for k in setup['unsupported'])}: {NO_NETEM}.", ""]
-    limit = f" (limit {1 + PPL_TOLERANCE:g}x)" if gpt else ""
+    params = "?" if data.get("params") is None else f"{data['params'] / 1e6:.2f}M"
+    lines = [
+        f"**1. ds_mirrored gradient_compression on shaped links** ({data.get('workload_label')}, {params} parameters;"
+        f" {data['warmup']} warm-up + {data['steps']} timed steps per run; {'perplexity' if gpt else 'accuracy'} after"
+        f" {data['acc_steps']} steps on the unshaped link; powersgd_start_iter={data['powersgd_start_iter']}).",
+        "",
+        *markdown_table(head, rows),
+        "",
+    ]
+    if unsupported:
+        lines += [f"{', '.join(LABELS[k] for k in unsupported)}: {NO_NETEM}.", ""]
     for name, x in t.get("excluded_for_ppl_ratio" if gpt else "excluded_for_accuracy_points", {}).items():
-        what = "perplexity" if gpt else "accuracy"
-        why = (
-            f"its {what} run failed"
-            if x is None
-            else (f"its perplexity is {x:.4f}x none's" if gpt else f"{x:+.1f} points vs none after the same steps")
-        )
-        lines += [f"{name} is left out of the 5x verdict: {why}{limit}.", ""]
+        if x is None:
+            why = f"its {'perplexity' if gpt else 'accuracy'} run failed"
+        else:
+            why = f"its perplexity is {x:.4f}x none's" if gpt else f"{x:+.1f} points vs none after the same steps"
+        lines += [
+            f"{name} is left out of the 5x verdict: {why}{f' (limit {1 + PPL_TOLERANCE:g}x)' if gpt else ''}.",
+            "",
+        ]
     if gpt:
         pct = f"{100 * PPL_TOLERANCE:g}%"
         tried, rank = ", ".join(str(r) for r in t["powersgd_ranks"]) or "none", t["powersgd_rank_within_tolerance"]
-        lines.append(
+        lines += [
             f"Smallest PowerSGD rank within {pct} of none's perplexity: **{rank}** (ranks tried: {tried})."
             if rank is not None
-            else f"No PowerSGD rank tried ({tried}) stayed within {pct} of none's perplexity after the same tokens."
-        )
-        lines.append("")
+            else f"No PowerSGD rank tried ({tried}) stayed within {pct} of none's perplexity after the same tokens.",
+            "",
+        ]
     return lines
 
 
@@ -161,8 +159,7 @@ def auto_lines(data: dict[str, Any]) -> list[str]:
     rows = [
         [
             LABELS.get(key, key),
-            f"{fmt(v['step_ms'], '.0f')}"
-            + (f" ({v['failed_runs']} of {v['runs']} failed)" if v["failed_runs"] else ""),
+            f"{fmt(v['step_ms'], '.0f')}{_failed(v, True)}",
             f"{v['best'] or '-'}: {fmt(v['best_step_ms'], '.0f')}",
             f"**{fmt(v['over_best'], '.3f')}**",
             f"{v['fastest'] or '-'}: {fmt(v['over_fastest'], '.3f')}",
@@ -197,15 +194,11 @@ def uneven_lines(data: dict[str, Any]) -> list[str]:
     hidden = "-".join(str(h) for h in data["ps_hidden"])
     ps, bal = data.get("ps"), data.get("balance")
     if ps is not None:
-        lines += [
-            f"**2. ds_parameter_server vs ds_mirrored, worker links {UNEVEN_MBIT[0]:.0f} and {UNEVEN_MBIT[1]:.0f}"
-            f" Mbit/s** (MLP 64-{hidden}-10, {WORKERS * data['ps_steps'] * BATCH} samples in all).",
-            "",
-        ]
         head = ["configuration", "samples/s", "vs ds_mirrored", "final val acc (%)", "acc vs ds_mirrored (points)"]
+        head += ["samples", "steps w0 / w1", "median step w0 / w1 (ms)"]
         rows = [
             [
-                name + (f" ({v['failed_runs']} failed)" if v["failed_runs"] else ""),
+                name + _failed(v),
                 fmt(v["samples_per_s"], ".0f"),
                 fmt(v.get("throughput_over_mirrored"), ".2f"),
                 fmt(v["final_acc"], ".1f", 100),
@@ -216,17 +209,19 @@ def uneven_lines(data: dict[str, Any]) -> list[str]:
             ]
             for name, v in ps.items()
         ]
-        lines += [*markdown_table([*head, "samples", "steps w0 / w1", "median step w0 / w1 (ms)"], rows), ""]
-    if bal is not None:
         lines += [
-            f"**3. DynamicLoadBalancer vs the equal split on the same link** (ds_mirrored, MLP 64-{hidden}-10, global"
-            f" batch {data['global_batch']}, balanced `interval={data['interval']}`; {data['balance_warmup_epochs']}"
-            f" warm-up + {data['balance_epochs']} timed epochs).",
+            f"**2. ds_parameter_server vs ds_mirrored, worker links {UNEVEN_MBIT[0]:.0f} and {UNEVEN_MBIT[1]:.0f}"
+            f" Mbit/s** (MLP 64-{hidden}-10, {WORKERS * data['ps_steps'] * BATCH} samples in all).",
+            "",
+            *markdown_table(head, rows),
             "",
         ]
+    if bal is not None:
+        head = ["configuration", "epoch (s)", "median step, rank 0 (ms)", "compute/sample rank 0 / rank 1 (ms)"]
+        head += ["final rank-0 share", "final sizes", "final val acc (%)"]
         rows = [
             [
-                name + (f" ({v['failed_runs']} failed)" if v["failed_runs"] else ""),
+                name + _failed(v),
                 fmt(v["epoch_s"], ".2f"),
                 fmt(v["step_ms"], ".0f"),
                 f"{fmt(v['compute_ms_per_sample_r0'], '.3f')} / {fmt(v['compute_ms_per_sample_r1'], '.3f')}",
@@ -236,18 +231,25 @@ def uneven_lines(data: dict[str, Any]) -> list[str]:
             ]
             for name, v in ((n, bal[n]) for n in (EQUAL, BALANCED) if n in bal)
         ]
-        head = ["configuration", "epoch (s)", "median step, rank 0 (ms)", "compute/sample rank 0 / rank 1 (ms)"]
-        lines += [*markdown_table([*head, "final rank-0 share", "final sizes", "final val acc (%)"], rows), ""]
         ratios = [
             ["epoch time", fmt(bal["ratio_epoch"], ".3f")],
             ["median step time, rank 0", fmt(bal["ratio_step"], ".3f")],
         ]
-        lines += [*markdown_table(["balanced / equal, per repeat", "median [min - max]"], ratios), ""]
+        lines += [
+            f"**3. DynamicLoadBalancer vs the equal split on the same link** (ds_mirrored, MLP 64-{hidden}-10, global"
+            f" batch {data['global_batch']}, balanced `interval={data['interval']}`; {data['balance_warmup_epochs']}"
+            f" warm-up + {data['balance_epochs']} timed epochs).",
+            "",
+            *markdown_table(head, rows),
+            "",
+            *markdown_table(["balanced / equal, per repeat", "median [min - max]"], ratios),
+            "",
+        ]
     return lines
 
 
 def markdown(data: dict[str, Any]) -> list[str]:
-    """Parts 1-3's page, from the flat view of :meth:`Cluster.view`."""
+    """Parts 1-3's page."""
     lines = [title(data), "", setup_line(data), ""]
     if data.get("compression") is not None:
         lines += part1_lines(data)
@@ -262,10 +264,7 @@ def plot(data: dict[str, Any], path: Path) -> None:
         for name, v in comp[link["key"]].items():
             arms.setdefault(name, {})[link["key"]] = v["step_ms"]
             arms[name][f"{link['key']}_speedup"] = v["speedup_over_none"]
-    panels = [
-        Panel(link["key"], f"1. {link['label']}: step, rank 0 (ms, log)", f"{link['key']}_speedup", True)
-        for link in links
-    ]
+    panels = [Panel(k["key"], f"1. {k['label']}: step, rank 0 (ms, log)", f"{k['key']}_speedup", True) for k in links]
     if data.get("ps"):
         arms |= data["ps"]
         panels.append(Panel("samples_per_s", "2. samples/s, both workers", "throughput_over_mirrored"))

@@ -1,8 +1,5 @@
-"""One task of a cluster-benchmark launch (``python worker.py spec.json``), started in its host's namespace, its role
-set by ``TF_CONFIG`` only. It runs the spec's configurations in order in this process (the process group stays up
-between fits) and after each writes ``{name}.rank{r}.json`` into the spec's ``records`` folder. A parameter server's
-``fit`` never returns, so servers write nothing and run one configuration per launch. See README.md.
-"""
+"""One task of a cluster-benchmark launch (``python worker.py spec.json``), its role set by ``TF_CONFIG`` only: runs
+the spec's configurations in order, writing ``{name}.rank{r}.json`` after each (a server's fit never returns)."""
 
 from __future__ import annotations
 
@@ -35,11 +32,6 @@ from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 IMPORTED = time.time()
 
 
-def _budget_spent(trainer: pl.Trainer) -> bool:
-    """Whether this step's pull found ds_parameter_server's ``max_updates`` spent: it ran but pushed nothing."""
-    return getattr(trainer.strategy, "max_updates", None) is not None and trainer.should_stop
-
-
 class Clock(StepTimer):
     """The harness's clock, stopped once a server's update budget is spent; counts this task's samples, its compute
     time (up to the last gradient bucket's launch, under a balancer) and, per host, its veth's bytes."""
@@ -55,7 +47,8 @@ class Clock(StepTimer):
         self.sizes: list[int] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-        if _budget_spent(trainer):
+        # ds_parameter_server's max_updates spent at this step's pull: it ran but pushed nothing.
+        if getattr(trainer.strategy, "max_updates", None) is not None and trainer.should_stop:
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         end = self._last_end or time.perf_counter()
@@ -76,15 +69,13 @@ class GPTModule(pl.LightningModule):
 
     def __init__(self, net: torch.nn.Module, lr: float) -> None:
         super().__init__()
-        self.net = net
-        self.lr = lr
+        self.net, self.lr = net, lr
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        return F.cross_entropy(self(x).flatten(0, -2), y.flatten())
+        return F.cross_entropy(self(batch[0]).flatten(0, -2), batch[1].flatten())
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -112,20 +103,21 @@ def make_source(spec: dict[str, Any]) -> Source:
 
 
 def _strategy(spec: dict[str, Any]) -> Any:
-    timeout = spec["dist_timeout"]
-    if spec.get("strategy", "ds_mirrored") == "ds_mirrored":
-        interval = {"auto_interval": spec["auto_interval"]} if spec.get("auto_interval") is not None else {}
-        return ds_lightning.MirroredStrategy(
-            gradient_compression=spec.get("compression", "none"),
-            powersgd_rank=spec.get("powersgd_rank", 2),
-            powersgd_start_iter=spec.get("powersgd_start_iter", 10),
-            hierarchical=spec.get("hierarchical", "auto"),
-            timeout=timeout,
-            **interval,
+    if spec.get("strategy", "ds_mirrored") != "ds_mirrored":
+        # Asynchronous, every push (one batch) is an update: the same samples as ds_mirrored's `steps` per worker.
+        budget = spec["workers"] * spec["steps"]
+        return ds_lightning.ParameterServerStrategy(
+            max_staleness=None, max_updates=budget, timeout=spec["dist_timeout"]
         )
-    # Asynchronous, every push (one batch) is an update: the same samples as ds_mirrored's `steps` steps per worker.
-    budget = spec["workers"] * spec["steps"]
-    return ds_lightning.ParameterServerStrategy(max_staleness=None, max_updates=budget, timeout=timeout)
+    interval = {"auto_interval": spec["auto_interval"]} if spec.get("auto_interval") is not None else {}
+    return ds_lightning.MirroredStrategy(
+        gradient_compression=spec.get("compression", "none"),
+        powersgd_rank=spec.get("powersgd_rank", 2),
+        powersgd_start_iter=spec.get("powersgd_start_iter", 10),
+        hierarchical=spec.get("hierarchical", "auto"),
+        timeout=spec["dist_timeout"],
+        **interval,
+    )
 
 
 def fit_one(spec: dict[str, Any], data: Source) -> None:
@@ -166,8 +158,7 @@ def fit_one(spec: dict[str, Any], data: Source) -> None:
     fit_start = time.time()
     trainer.fit(model, train_dataloaders=loader)
     fit_end = time.time()
-    rank = trainer.global_rank
-    strategy = trainer.strategy
+    rank, strategy = trainer.global_rank, trainer.strategy
     record: dict[str, Any] = {
         "name": spec["name"],
         "rank": rank,

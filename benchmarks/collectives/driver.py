@@ -25,8 +25,8 @@ from benchmarks.harness import workloads as _workloads
 from ds_lightning.demos import GPT, make_mlp
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
-#: fp32 elements: the parameter counts of the two workloads (``gpt`` is off by default: no figure in the docs
-#: reads it, and the committed results still hold it), and one larger
+#: fp32 elements: the two workloads' parameter counts (``gpt`` is off by default: no figure in the docs reads it),
+#: and one larger
 SIZES = {
     "digits": sum(p.numel() for p in make_mlp(64, [1024, 1024], 10).parameters()),
     "gpt": sum(p.numel() for p in GPT(**_workloads.GPT_DEFAULTS).parameters()),
@@ -39,7 +39,6 @@ KEYS = [*(f"{op}_ms" for op in OPS), *RATIOS.values(), EXTRA, *(f"{op}_mbps" for
 
 
 def size_of(name: str) -> int:
-    """A size's fp32 elements: a name of :data:`SIZES`, or a positive integer."""
     if name in SIZES:
         return SIZES[name]
     if not name.isdigit() or int(name) < 1:
@@ -52,8 +51,8 @@ def arm_name(size: str, procs: int) -> str:
 
 
 def ring_bytes(op: str, numel: int, world: int) -> float:
-    """What one rank sends for ``op`` on ``numel`` fp32 elements as a ring: (N-1)/N of the tensor for a
-    reduce-scatter or an all-gather, twice that for an all-reduce or the pair."""
+    """What one rank sends for ``op`` as a ring: (N-1)/N of the tensor for a reduce-scatter or an all-gather, twice
+    that for an all-reduce or the pair."""
     return (world - 1) / world * 4 * numel * (2 if op in ("all_reduce", "rs_ag") else 1)
 
 
@@ -71,21 +70,21 @@ def reading_of(result: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _range(s: Mapping[str, Any], arms: list[str], key: str) -> str:
-    lo, hi = min(s[a][key]["median"] for a in arms), max(s[a][key]["median"] for a in arms)
-    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}x to {hi:.2f}x"
-
-
 def meaning(s: Mapping[str, Any], arms: list[str]) -> str:
     """The page's conclusion for ``sharding_engine="fsdp2"`` on gloo, from every size's and N's medians."""
-    arms = [a for a in arms if s[a].get("rsag_over_ar") and s[a].get("rs_over_ar") and s[a].get("ag_over_ar")]
+    arms = [a for a in arms if all(s[a].get(k) for k in RATIOS.values())]
     if not arms:
         return "No run succeeded: nothing to conclude."
+
+    def span(key: str) -> str:
+        lo, hi = (f(s[a][key]["median"] for a in arms) for f in (min, max))
+        return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}x to {hi:.2f}x"
+
     pair = [s[a]["rsag_over_ar"]["median"] for a in arms]
     head = (
-        f"Over every size and process count measured, gloo's reduce-scatter takes {_range(s, arms, 'rs_over_ar')}"
-        f" its all-reduce's time (ring model: 0.50x), its all-gather {_range(s, arms, 'ag_over_ar')} (ring model:"
-        f" 0.50x), and FSDP2's pair {_range(s, arms, 'rsag_over_ar')} (ring model: 1.00x)."
+        f"Over every size and process count measured, gloo's reduce-scatter takes {span('rs_over_ar')}"
+        f" its all-reduce's time (ring model: 0.50x), its all-gather {span('ag_over_ar')} (ring model:"
+        f" 0.50x), and FSDP2's pair {span('rsag_over_ar')} (ring model: 1.00x)."
     )
     if min(pair) > 1.1:
         return head + (
@@ -107,8 +106,13 @@ def meaning(s: Mapping[str, Any], arms: list[str]) -> str:
 
 
 COLUMNS = ["tensor, procs", "fp32 elements", "all_reduce (ms)", "reduce_scatter (ms)", "all_gather (ms)"]
-COLUMNS += ["RS + AG (ms)", "RS / AR (ring 0.5)", "AG / AR (ring 0.5)", "(RS + AG) / AR (ring 1.0)"]
-COLUMNS += ["RS + AG - AR (ms)"]
+COLUMNS += [
+    "RS + AG (ms)",
+    "RS / AR (ring 0.5)",
+    "AG / AR (ring 0.5)",
+    "(RS + AG) / AR (ring 1.0)",
+    "RS + AG - AR (ms)",
+]
 RING_COLUMNS = ["tensor, procs", "ring MB per rank: AR / RS / AG / RS + AG", "AR (MB/s)", "RS (MB/s)", "AG (MB/s)"]
 RING_COLUMNS += ["RS + AG (MB/s)"]
 
@@ -148,10 +152,9 @@ class Collectives(harness.Benchmark):
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
         s: dict[str, Any] = harness.summarise(data["records"], list(data["arms"]), KEYS)
-        for n in data["settings"]["procs"]:
-            for size in data["settings"]["sizes"]:
-                if arm_name(size, n) in s:
-                    s[arm_name(size, n)].update(size=size, procs=n, numel=padded(size_of(size), n))
+        st = data["settings"]
+        for n, size in ((n, size) for n in st["procs"] for size in st["sizes"] if arm_name(size, n) in s):
+            s[arm_name(size, n)].update(size=size, procs=n, numel=padded(size_of(size), n))
         s["verdicts"] = []  # no target: the ring model's ratios are the reference (README)
         return s
 
@@ -160,29 +163,24 @@ class Collectives(harness.Benchmark):
         rows, ring_rows = [], []
         for arm, title in data["arms"].items():
             v = s[arm]
-            numel, n = v.get("numel"), v.get("procs")
             times = [fmt(v[f"{op}_ms"], ".2f") for op in OPS]
-            rows.append(
-                [title, f"{numel:,}", *times, *(fmt(v[k], ".2f") for k in RATIOS.values()), fmt(v[EXTRA], ".2f")]
-            )
-            ring = " / ".join(f"{ring_bytes(op, numel, n) / 1e6:.2f}" for op in OPS)
+            ratios = [fmt(v[k], ".2f") for k in [*RATIOS.values(), EXTRA]]
+            rows.append([title, f"{v.get('numel'):,}", *times, *ratios])
+            ring = " / ".join(f"{ring_bytes(op, v.get('numel'), v.get('procs')) / 1e6:.2f}" for op in OPS)
             ring_rows.append([title, ring, *(fmt(v[f"{op}_mbps"], ".0f") for op in OPS)])
         failed = [f"- {a}: {e}" for a in data["arms"] for e in s[a]["errors"]]
-        procs = " and ".join(str(n) for n in st["procs"])
+        quick = ["", "**A `--quick` smoke run** (1 repeat, few rounds): the times are not a measurement."]
         return [
             "# Gloo collectives: reduce-scatter and all-gather against all-reduce",
             "",
-            f"`benchmarks/collectives` ([how it measures](../collectives/README.md)): {procs} CPU processes on gloo"
+            f"`benchmarks/collectives` ([how it measures](../collectives/README.md)):"
+            f" {' and '.join(str(n) for n in st['procs'])} CPU processes on gloo"
             f" over loopback, 1 thread each, torch {data.get('torch', '?')}, {data.get('cpus', '?')} CPU cores;"
             f" {st['warmup']} warm-up + {st['iters']} timed rounds per run, a call's time the slowest rank's, a run's"
             f" the median over its rounds; {st['repeats']} interleaved repeat(s); median [min - max] over repeats;"
             " ratios are op / `all_reduce` of the same run, where a ring model says RS / AR = AG / AR = 0.5 and"
             " (RS + AG) / AR = 1.0.",
-            *(
-                ["", "**A `--quick` smoke run** (1 repeat, few rounds): the times are not a measurement."]
-                if st["quick"]
-                else []
-            ),
+            *(quick if st["quick"] else []),
             "",
             *harness.markdown_table(COLUMNS, rows),
             "",

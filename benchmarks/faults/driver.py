@@ -1,7 +1,6 @@
-"""What does ``BackupAndRestore`` cost while training runs, and how fast does a killed run come back? Parts, arms,
-target and what a full run does: ``README.md``.
+"""What ``BackupAndRestore`` costs while training runs, and how fast a killed run comes back: see ``README.md``.
 
-    python -m benchmarks.faults.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]]
+python -m benchmarks.faults.driver [--quick] [--repeats 3] [--out DIR] [--render [JSON]]
 """
 
 from __future__ import annotations
@@ -35,6 +34,15 @@ TARGET, TARGET_EVERY = 1.05, 50  # issue 14: async backups every 50 steps cost a
 OVERHEAD_KEYS = ["mean_step_ms", "median_step_ms", "max_step_ms", "mean_over_median", "save_ms", "write_ms"]
 RECOVERY_KEYS = ["recovery_s", "detect_s", "relaunch_s", "imports_s", "startup_s", "restore_s", "first_step_s"]
 RECOVERY_KEYS += ["kill_step", "resumed_step", "steps_lost", "since_backup"]
+OVERHEAD_COLUMNS = ["model", "save", "every", "mean step (ms)", "vs none", "in-run", "from timings", "per backup (ms)"]
+OVERHEAD_COLUMNS += ["loop wait (ms)", "write (ms)", "median step (ms)", "longest step (ms)"]
+#: the overhead table's figures, in column order (the "from timings" bounds go after the first three)
+OVERHEAD_FIGURES = [("mean_step_ms", ".2f"), ("overhead_ratio", ".3f"), ("inrun_ratio", ".3f")]
+OVERHEAD_FIGURES += [("per_backup_ms", ".0f"), ("save_ms", ".0f"), ("write_ms", ".0f"), ("median_step_ms", ".2f")]
+OVERHEAD_FIGURES += [("max_step_ms", ".0f")]
+RECOVERY_COLUMNS = ["strategy", "recovery (s)", "detect (s)", "relaunch (s)", "imports (s)", "start-up (s)"]
+RECOVERY_COLUMNS += ["restore (s)", "first step (s)", "killed at", "resumed from", "steps lost", "since backup"]
+README = " see [the README](../faults/README.md)."
 
 
 def overhead_arm(model: str, every: int | None, async_save: bool = True) -> str:
@@ -43,16 +51,10 @@ def overhead_arm(model: str, every: int | None, async_save: bool = True) -> str:
 
 
 def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, Any]:
-    """Recovery figures from rank 0's stamps over a killed launch and its re-run (``worker.py``).
-
-    ``recovery_s`` (kill to the end of the first new step) splits into ``relaunch_s`` (holding ``detect_s``, the
-    kill to rank 0's failure, when another rank was killed), ``imports_s``, ``startup_s`` (to ``setup``),
-    ``restore_s`` (to ``on_train_start``) and ``first_step_s``; ``steps_lost`` are done twice, ``since_backup`` is
-    what an instant backup would lose.
+    """Recovery figures from rank 0's stamps over a killed launch and its re-run (the parts: ``README.md``).
 
     Raises:
         ValueError: the stamps hold no kill, or no step after it.
-
     """
     kill = next((s for s in stamps if s["event"] == "kill"), None)
     if kill is None:
@@ -83,14 +85,18 @@ def recovery_reading(stamps: Sequence[dict[str, Any]], every: int) -> dict[str, 
 
 
 def bounds(arm: dict[str, Any], base: dict[str, Any], every: int, async_save: bool) -> list[float] | None:
-    """The overhead the measured waits imply, ``[low, high]``: 1 + wait / (period x usual step), and for async up to
-    1 + (wait + write) / (the same), if the writing thread took all its time from training."""
+    """``[1 + wait / (period x usual step), the same + write]``: the write counts only for async, as if its thread
+    took all its time from training."""
     if not arm.get("save_ms") or not base.get("median_step_ms"):
         return None
     period_ms = every * base["median_step_ms"]["median"]
     low = 1 + arm["save_ms"]["median"] / period_ms
     write = arm["write_ms"]["median"] if async_save and arm.get("write_ms") else 0.0
     return [low, low + write / period_ms]
+
+
+def _bounds(b: Sequence[float] | None) -> str:
+    return "-" if not b else f"{b[0]:.3f}" if b[1] == b[0] else f"{b[0]:.3f} - {b[1]:.3f}"
 
 
 class Faults(harness.Benchmark):
@@ -160,25 +166,19 @@ class Faults(harness.Benchmark):
             layout = cluster_recovery.LAYOUTS[arm.params["strategy"]]
             spec["devices"] = 1  # one task per host: TF_CONFIG gives the rest
             found = cluster_recovery.recover(self._cluster, layout, WORKER, spec, tmp, kill_at, opts.timeout)
-            return {**found, **recovery_reading(read_lines(stamp_dir / "stamps.jsonl"), every)}
-        spec.update(kill_at=kill_at, kill_rank=arm.params["kill_rank"])
-        env = harness.worker_env(1)
-        try:
-            harness.launch(WORKER, spec, opts.timeout, env)
-        except harness.Failed as exc:  # expected: killed (-9), or rank 0 failed on the killed rank's absence
-            if not (stamp_dir / "killed").exists():
-                raise
-            first_rc = exc.found.get("rc")
         else:
-            raise harness.Failed(f"the first launch was not killed, or survived the kill (kill_at={kill_at})")
-        found, _, _ = harness.launch(WORKER, spec, opts.timeout, env)
-        stamps = read_lines(stamp_dir / "stamps.jsonl")
-        return {
-            "rc": found["rc"],
-            "first_rc": first_rc,
-            "last_step": found["result"]["last_step"],
-            **recovery_reading(stamps, every),
-        }
+            spec.update(kill_at=kill_at, kill_rank=arm.params["kill_rank"])
+            try:
+                harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1))
+            except harness.Failed as exc:  # expected: killed (-9), or rank 0 failed on the killed rank's absence
+                if not (stamp_dir / "killed").exists():
+                    raise
+                first_rc = exc.found.get("rc")
+            else:
+                raise harness.Failed(f"the first launch was not killed, or survived the kill (kill_at={kill_at})")
+            again, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1))
+            found = {"rc": again["rc"], "first_rc": first_rc, "last_step": again["result"]["last_step"]}
+        return {**found, **recovery_reading(read_lines(stamp_dir / "stamps.jsonl"), every)}
 
     def progress(self, record: dict[str, Any]) -> str:
         if "recovery_s" in record:
@@ -207,8 +207,9 @@ class Faults(harness.Benchmark):
                 s[arm]["overhead_ratio"] = harness.paired(records, arm, base, "mean_step_ms")
                 s[arm]["inrun_ratio"] = harness.paired(records, arm, base, "mean_over_median")
                 s[arm]["bounds"] = bounds(s[arm], s.get(base, {}), every, p["backup"]["async"])
+                # what one backup adds to the run, amortised over its period
                 per_backup = harness.paired(records, arm, base, "mean_step_ms", op=lambda a, b, n=every: (a - b) * n)
-                s[arm]["per_backup_ms"] = per_backup  # what one backup adds to the run, amortised over its period
+                s[arm]["per_backup_ms"] = per_backup
         s.update(harness.summarise(records, [a for a in data["arms"] if a not in over], RECOVERY_KEYS))
         target = {}
         for model in {params[a]["model"] for a in over}:
@@ -230,21 +231,19 @@ class Faults(harness.Benchmark):
         load = ["/".join(f"{x:.1f}" for x in data[k]) if data.get(k) else "?" for k in ("loadavg_start", "loadavg_end")]
         out = [
             f"Commit {data['package']['commit'][:10]}; {data.get('machine', {}).get('cores')} cores, load average"
-            f" {load[0]} at the start and {load[1]} at the end (the"
-            " machine is shared: other jobs ran beside this one, so single runs are noisy; read the medians and the"
-            f" per-repeat spread). {st['repeats']} interleaved repeat(s); median [min - max] over repeats.",
+            f" {load[0]} at the start and {load[1]} at the end (the machine is shared: other jobs ran beside this one,"
+            f" so single runs are noisy; read the medians and the per-repeat spread). {st['repeats']} interleaved"
+            " repeat(s); median [min - max] over repeats.",
         ]
         over = [a for a in data["arms"] if params[a]["part"] == "overhead"]
         rows = []
         for arm in over:
-            p, v, b = params[arm], s[arm], params[arm]["backup"]
+            v, b = s[arm], params[arm]["backup"]
             n = next((r["params"] for r in harness.ok(data["records"], arm)), None)
-            save = "none" if b is None else ("async" if b["async"] else "sync")
             figures = [fmt(v.get(k), f) for k, f in OVERHEAD_FIGURES]
-            model = f"{p['model']} ({f'{n / 1e6:.1f}M params' if n else '?'})"
-            rows.append(
-                [model, save, "-" if b is None else b["every"], *figures[:3], _bounds(v.get("bounds")), *figures[3:]]
-            )
+            model = f"{params[arm]['model']} ({f'{n / 1e6:.1f}M params' if n else '?'})"
+            save = "none" if b is None else ("async" if b["async"] else "sync")
+            rows.append([model, save, b["every"] if b else "-", *figures[:3], _bounds(v.get("bounds")), *figures[3:]])
         if over:
             out += [
                 "",
@@ -253,8 +252,7 @@ class Faults(harness.Benchmark):
                 f" {data.get('backup_root')})",
                 "",
                 "Step time is the mean from one step's end to the next, so it includes every backup's blocking part."
-                " *vs none*, *in-run*, *per backup*, *loop wait*, *write* and *from timings*: see"
-                " [the README](../faults/README.md).",
+                " *vs none*, *in-run*, *per backup*, *loop wait*, *write* and *from timings*:" + README,
                 "",
                 *harness.markdown_table(OVERHEAD_COLUMNS, rows),
                 "",
@@ -275,13 +273,12 @@ class Faults(harness.Benchmark):
             ]
             out += [
                 "",
-                f"### Recovery (kill -9 of every process, of rank 1 alone, or of every process on one host of the"
+                "### Recovery (kill -9 of every process, of rank 1 alone, or of every process on one host of the"
                 " network-namespace cluster, at a step; then the same command again; backups every"
                 f" {st['recovery_every']} steps, async; MLP 64-1024-1024-10, 2 training processes)",
                 "",
                 "Recovery = kill to the end of the first new step = relaunch + imports + start-up + restore + first"
-                " step; what each part holds, the hosts lost and the steps lost:"
-                " see [the README](../faults/README.md).",
+                " step; what each part holds, the hosts lost and the steps lost:" + README,
                 "",
                 *harness.markdown_table(RECOVERY_COLUMNS, rows),
             ]
@@ -297,20 +294,6 @@ class Faults(harness.Benchmark):
         title = f"BackupAndRestore: overhead (target {TARGET:.2f}x at every {TARGET_EVERY}) and recovery"
         harness.bar_panels(out / f"{self.name}.png", data["summary"]["arms"], panels, title)
         return [out / f"{self.name}.png"]
-
-
-OVERHEAD_COLUMNS = ["model", "save", "every", "mean step (ms)", "vs none", "in-run", "from timings", "per backup (ms)"]
-OVERHEAD_COLUMNS += ["loop wait (ms)", "write (ms)", "median step (ms)", "longest step (ms)"]
-#: the overhead table's figures, in column order (the "from timings" bounds go after the first three)
-OVERHEAD_FIGURES = [("mean_step_ms", ".2f"), ("overhead_ratio", ".3f"), ("inrun_ratio", ".3f")]
-OVERHEAD_FIGURES += [("per_backup_ms", ".0f"), ("save_ms", ".0f"), ("write_ms", ".0f"), ("median_step_ms", ".2f")]
-OVERHEAD_FIGURES += [("max_step_ms", ".0f")]
-RECOVERY_COLUMNS = ["strategy", "recovery (s)", "detect (s)", "relaunch (s)", "imports (s)", "start-up (s)"]
-RECOVERY_COLUMNS += ["restore (s)", "first step (s)", "killed at", "resumed from", "steps lost", "since backup"]
-
-
-def _bounds(b: Sequence[float] | None) -> str:
-    return "-" if not b else f"{b[0]:.3f}" if b[1] == b[0] else f"{b[0]:.3f} - {b[1]:.3f}"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,4 @@
-"""The faults benchmark's recovery in the network-namespace cluster: one TF_CONFIG task per host; every process of
-one host SIGKILLed (``Cluster.kill``) once rank 0 has done the kill step, then every task started again (see
-``README.md``).
-"""
+"""The faults benchmark's recovery on the network-namespace cluster, one TF_CONFIG task per host (see ``README.md``)."""
 
 from __future__ import annotations
 
@@ -12,18 +9,16 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from benchmarks import harness
 from ds_lightning.testing import free_port, netns
 
-_ENV_DROP = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG")
+HOSTS = 3
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """Which host runs which TF_CONFIG task, and which host is lost."""
 
     jobs: dict[str, list[int]]
@@ -38,7 +33,6 @@ LAYOUTS = {
         {"chief": [0], "worker": [1], "ps": [2]}, 2, "ds_parameter_server, the server's host lost (netns)"
     ),
 }
-HOSTS = 3
 
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
@@ -74,40 +68,38 @@ def _launch(
     kill_at: int | None,
     timeout: float,
 ) -> list[int | None]:
-    """Every task of ``layout``, servers first; with ``kill_at``, the victim host killed once rank 0 did that step.
-    Returns the exit codes, rank 0's (the first ``chief`` or ``worker`` task) first."""
+    """Every task, servers first; with ``kill_at``, the victim host killed once rank 0 did that step. Returns the exit
+    codes, rank 0's (the first ``chief`` or ``worker`` task) first."""
     out.mkdir()
     spec_path = out / "spec.json"
     spec_path.write_text(json.dumps({**spec, "out_dir": str(out)}))
     port = free_port()
     tf_cluster = {job: [f"{cluster.hosts[i].address}:{port}" for i in hosts] for job, hosts in layout.jobs.items()}
-    order = [(job, i, h) for job in ("chief", "worker", "ps") for i, h in enumerate(layout.jobs.get(job, []))]
+    order = [(job, i, h) for job in ("ps", "chief", "worker") for i, h in enumerate(layout.jobs.get(job, []))]
     procs = []
-    for job, index, host in sorted(order, key=lambda t: t[0] != "ps"):  # servers first, as an operator would
+    for job, index, host in order:  # servers first, as an operator would
         env = harness.worker_env(threads=1, rendezvous=False)
-        for variable in _ENV_DROP:
+        for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(variable, None)
         env["TF_CONFIG"] = json.dumps({"cluster": tf_cluster, "task": {"type": job, "index": index}})
         with (out / f"{job}{index}.log").open("w") as log:
             cmd = [sys.executable, str(worker), str(spec_path)]
-            proc = cluster.hosts[host].run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT)
-        procs.append((job, proc))
+            procs.append(cluster.hosts[host].run(cmd, cwd=out, env=env, stdout=log, stderr=subprocess.STDOUT))
     stamps = Path(spec["stamp_dir"], "stamps.jsonl")
     deadline = time.monotonic() + timeout
-    killed = kill_at is None
-    while any(p.poll() is None for _, p in procs) and time.monotonic() < deadline:
-        if not killed and stamps.exists():
-            steps = [s["step"] for s in read_lines(stamps) if s["event"] == "step"]
-            if steps and max(steps) >= kill_at:
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if kill_at is not None and stamps.exists():
+            step = max((s["step"] for s in read_lines(stamps) if s["event"] == "step"), default=-1)
+            if step >= kill_at:
                 with stamps.open("a") as f:
-                    line = {"event": "kill", "t": time.time(), "pid": os.getpid(), "step": max(steps)}
-                    f.write(json.dumps(line) + "\n")
+                    f.write(json.dumps({"event": "kill", "t": time.time(), "pid": os.getpid(), "step": step}) + "\n")
                 cluster.kill(cluster.hosts[layout.victim])
-                killed = True
+                kill_at = None
         time.sleep(0.02)
-    for _, proc in procs:
+    for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    return [p.returncode for job, p in procs if job != "ps"] + [p.returncode for job, p in procs if job == "ps"]
+    servers = len(layout.jobs.get("ps", []))
+    return [p.returncode for p in procs[servers:] + procs[:servers]]

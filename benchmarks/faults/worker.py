@@ -1,8 +1,5 @@
-"""One fault-benchmark run: the digits MLP on 2 CPU processes with (or without) ``BackupAndRestore``.
-
-Rank 0 appends its events (wall clock, so two launches line up) to ``<stamp_dir>/stamps.jsonl``; with ``kill_at`` it
-SIGKILLs its process group (or, with ``kill_rank``, that rank itself) once, at the end of that step; a run that ends
-writes ``result.json``. See ``README.md``.
+"""One fault-benchmark run: the digits MLP on 2 CPU processes with (or without) ``BackupAndRestore``; rank 0's events
+go to ``<stamp_dir>/stamps.jsonl`` (wall clock, so two launches line up). See ``README.md``.
 """
 
 from __future__ import annotations
@@ -36,14 +33,12 @@ IMPORTED = time.time()
 
 
 class Stamps(Callback):
-    """Every step's end (``perf_counter``), and rank 0's events as JSON lines into ``stamp_dir`` (``None``: no file, no
-    kill). At the end of step ``kill_at`` (once: the ``killed`` marker) rank 0 kills its process group, or rank
-    ``kill_rank`` only itself (the others meet its absence in their next collective)."""
+    """Every step's end, and rank 0's events. At the end of step ``kill_at`` (once: the ``killed`` marker) rank 0 kills
+    its process group, or rank ``kill_rank`` only itself (the others meet its absence in their next collective)."""
 
     def __init__(self, stamp_dir: str | None, kill_at: int | None, kill_rank: int | None = None) -> None:
         self.path = Path(stamp_dir, "stamps.jsonl") if stamp_dir else None
-        self.kill_at = kill_at
-        self.kill_rank = kill_rank
+        self.kill_at, self.kill_rank = kill_at, kill_rank
         self.ends: list[float] = []
 
     def _note(self, trainer: pl.Trainer, event: str, any_rank: bool = False, **extra: Any) -> None:
@@ -72,19 +67,17 @@ class Stamps(Callback):
         marker = self.path.parent / "killed"
         if self.kill_at is None or trainer.global_step < self.kill_at or marker.exists():
             return
-        if self.kill_rank is None and trainer.global_rank == 0:
+        whole_group = self.kill_rank is None
+        if trainer.global_rank == (0 if whole_group else self.kill_rank):
             marker.write_text(str(trainer.global_step))
-            self._note(trainer, "kill")
-            os.killpg(os.getpgid(0), signal.SIGKILL)
-        elif self.kill_rank == trainer.global_rank:
-            marker.write_text(str(trainer.global_step))
-            self._note(trainer, "kill", any_rank=True, rank=trainer.global_rank)
+            self._note(trainer, "kill", **({} if whole_group else {"any_rank": True, "rank": trainer.global_rank}))
+            if whole_group:
+                os.killpg(os.getpgid(0), signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _timed(owner: Any, name: str, into: list[float]) -> None:
-    """Wrap ``owner.<name>`` so each call's duration (ms) goes into ``into``."""
-    fn = getattr(owner, name)
+    fn = getattr(owner, name)  # each call's duration (ms) goes into `into`
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter()
@@ -99,9 +92,7 @@ def _timed(owner: Any, name: str, into: list[float]) -> None:
 STRATEGIES = {
     "ds_mirrored": lambda timeout: ds_lightning.MirroredStrategy(timeout=timeout),
     "ds_pipeline": lambda timeout: ds_lightning.PipelineStrategy(n_microbatches=2, timeout=timeout),
-    "ds_parameter_server": lambda timeout: ds_lightning.ParameterServerStrategy(
-        max_staleness=0, num_servers=1, timeout=timeout
-    ),
+    "ds_parameter_server": lambda t: ds_lightning.ParameterServerStrategy(max_staleness=0, num_servers=1, timeout=t),
 }
 
 
@@ -123,10 +114,12 @@ def main(spec_path: str) -> None:
     data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
     data.setup("fit")
     assert data.train_set is not None
+    strategy = STRATEGIES[spec["strategy"]](spec["dist_timeout"])
+    # devices: 1 per task in the namespace cluster, where TF_CONFIG gives the rest
     trainer = quiet_trainer(
         accelerator="cpu",
-        devices=spec.get("devices", 2),  # 1 per task in the namespace cluster, where TF_CONFIG gives the rest
-        strategy=STRATEGIES[spec["strategy"]](spec["dist_timeout"]),
+        devices=spec.get("devices", 2),
+        strategy=strategy,
         max_steps=spec["max_steps"],
         callbacks=callbacks,
     )

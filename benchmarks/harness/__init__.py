@@ -1,15 +1,12 @@
-"""The benchmark harness: experiment specs, interleaved launches, records, summaries, writers, one clock, one CLI.
-
-A benchmark script subclasses :class:`Benchmark` with its experiment (the arms) and its reading (what it measures
-from one run), and calls :func:`main`; see ``benchmarks/README.md``.
-"""
+"""The benchmark harness: experiment specs, interleaved launches, summaries, writers, one clock, one CLI; see
+``benchmarks/README.md``."""
 
 from .cli import RESULTS, Benchmark, main, stem
 from .compact import series
 from .provenance import cpu_model, provenance
 from .run import REPO, Failed, error_line, launch, package_state, run_experiment, worker_env
 from .spec import Arm, Experiment, interleave, round_order
-from .summary import best_of, fmt, ok, paired, ratio_to, spread, summarise, values
+from .summary import best_of, fmt, ok, paired, spread, summarise, values
 from .verdict import MIN_LAUNCHES, VERDICTS, is_met, judged, verdict
 from .writers import (
     FORMAT,
@@ -50,7 +47,6 @@ __all__ = [
     "package_state",
     "paired",
     "provenance",
-    "ratio_to",
     "read_json",
     "round_order",
     "run_experiment",

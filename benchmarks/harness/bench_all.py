@@ -1,19 +1,7 @@
-"""``make bench-all``: every benchmark target of the Makefile in turn, then one summary of every result.
-
-Runs each target of the Makefile's ``BENCH_TARGETS`` (``make --no-print-directory <target>``), timing it and going on
-past a failed one; then writes ``results/bench_all.json`` and ``results/bench_all.md``: per target its minutes and exit
-status; every target of every benchmark (its ``summary["verdicts"]``: what, target, median [min - max] over launches,
-launches, verdict); each results file's commit, flagged where it differs from the others' or where the code it measured
-(``ds_lightning/``, the harness and its benchmark's folder) changed between it and HEAD, where it rests
-on fewer than ``harness.MIN_LAUNCHES`` launches per arm or on a ``--quick`` run, or where this run did not rewrite it;
-and the total minutes against the 2-hour budget.
+"""``make bench-all``: every benchmark target of the Makefile in turn, then one summary of every result
+(``results/bench_all.{json,md}``); see ``benchmarks/README.md``.
 
     python -m benchmarks.harness.bench_all [--targets bench-mirrored ...] [--summary-only] [--results DIR]
-
-``--summary-only`` runs nothing: it builds the summary from the JSON already in the results folder. A file written
-before ``summary["verdicts"]`` existed is summarised again from its records by its driver, in memory (the file is left
-as it is). Without a run, each target's minutes are estimated from its results file: the ``seconds`` that run took,
-scaled to the driver's default launches per arm.
 """
 
 from __future__ import annotations
@@ -38,34 +26,29 @@ from .run import MEASURED, REPO, package_state
 from .verdict import MIN_LAUNCHES, VERDICTS
 from .writers import judged_figure, markdown_table, write_json, write_markdown
 
-__all__ = ["BUDGET_MINUTES", "WRITES", "bench_targets", "build", "main", "markdown"]
-
 NAME = "bench_all"
 #: what one ``make bench-all`` may take
 BUDGET_MINUTES = 120.0
+
+
+def _and_gpt(short: str, stem: str) -> dict[str, tuple[str, ...]]:
+    return {f"bench-{short}": (stem,), f"bench-{short}-gpt": (f"{stem}_gpt",)}
+
+
 #: the results files (stems in ``results/``) each make target writes; bench-precision-ops writes a page, no JSON
 WRITES: dict[str, tuple[str, ...]] = {
-    "bench-mirrored": ("mirrored",),
-    "bench-mirrored-gpt": ("mirrored_gpt",),
-    "bench-pipeline": ("pipeline",),
-    "bench-pipeline-gpt": ("pipeline_gpt",),
-    "bench-ps": ("parameter_server",),
-    "bench-ps-gpt": ("parameter_server_gpt",),
-    "bench-balance": ("load_balance",),
-    "bench-balance-gpt": ("load_balance_gpt",),
-    "bench-precision": ("precision",),
-    "bench-precision-gpt": ("precision_gpt",),
+    **_and_gpt("mirrored", "mirrored"),
+    **_and_gpt("pipeline", "pipeline"),
+    **_and_gpt("ps", "parameter_server"),
+    **_and_gpt("balance", "load_balance"),
+    **_and_gpt("precision", "precision"),
     "bench-precision-ops": (),
-    "bench-memory": ("memory",),
-    "bench-memory-gpt": ("memory_gpt",),
-    "bench-sharding": ("sharding_engines",),
-    "bench-sharding-gpt": ("sharding_engines_gpt",),
+    **_and_gpt("memory", "memory"),
+    **_and_gpt("sharding", "sharding_engines"),
     "bench-collectives": ("collectives",),
     "bench-faults": ("faults",),
-    "bench-cluster": ("cluster",),
-    "bench-cluster-gpt": ("cluster_gpt",),
-    "bench-cluster-hierarchical": ("cluster_hierarchical",),
-    "bench-cluster-hierarchical-gpt": ("cluster_hierarchical_gpt",),
+    **_and_gpt("cluster", "cluster"),
+    **_and_gpt("cluster-hierarchical", "cluster_hierarchical"),
 }
 
 
@@ -84,12 +67,13 @@ def run_targets(targets: Sequence[str]) -> list[dict[str, Any]]:
         print(f"bench-all: {target} ({i} of {len(targets)})", flush=True)
         start = time.monotonic()
         try:
-            rc = subprocess.run(["make", "--no-print-directory", target], cwd=REPO, check=False).returncode
+            rc: int | str = subprocess.run(["make", "--no-print-directory", target], cwd=REPO, check=False).returncode
         except KeyboardInterrupt:
-            runs.append({"target": target, "minutes": (time.monotonic() - start) / 60, "exit": "interrupted"})
+            rc = "interrupted"
+        runs.append({"target": target, "minutes": (time.monotonic() - start) / 60, "exit": rc})
+        if rc == "interrupted":
             print("bench-all: interrupted; the summary covers what ran", flush=True)
             break
-        runs.append({"target": target, "minutes": (time.monotonic() - start) / 60, "exit": rc})
         done = "done" if rc == 0 else f"FAILED (exit {rc}); going on"
         print(f"bench-all: {target} {done} in {runs[-1]['minutes']:.1f} min", flush=True)
     return runs
@@ -128,38 +112,20 @@ def _short(commit: str | None) -> str:
     return commit[:10] if commit else "unrecorded"
 
 
-def commit_of(data: dict[str, Any]) -> str | None:
-    """The commit a results file was measured at."""
-    return (data.get("package") or {}).get("commit") or None
-
-
-def _started(data: dict[str, Any]) -> datetime.datetime | None:
-    try:
-        return datetime.datetime.fromisoformat(data["started"])
-    except (KeyError, TypeError, ValueError):
-        return None
-
-
 def _folders(folder: str) -> list[str]:
-    """``folder`` and every benchmark folder its code imports from, directly or through another (memory reads its
-    counts from sharding_engines, the cluster its balancer reading from load_balance)."""
+    """``folder`` and every benchmark folder its code imports from, directly or through another."""
     found = [folder]
     for name in found:
         for path in sorted((REPO / "benchmarks" / name).glob("*.py")):
             for other in re.findall(r"\bbenchmarks\.(\w+)", path.read_text()):
-                if (
-                    other not in found
-                    and other not in ("harness", "results")
-                    and (REPO / "benchmarks" / other).is_dir()
-                ):
+                if other not in (*found, "harness", "results") and (REPO / "benchmarks" / other).is_dir():
                     found.append(other)
     return found
 
 
 def measured_paths(benchmark: str | None) -> tuple[str, ...]:
-    """What a results file of ``benchmark`` measured, as git pathspecs: the package, the harness, the benchmark's own
-    folder and the folders it imports from (a benchmark it does not import changes none of its figures); all of
-    ``benchmarks/`` when it is unknown."""
+    """What a results file of ``benchmark`` measured, as git pathspecs: the package, the harness, the benchmark's folder
+    and those it imports from; all of ``benchmarks/`` when it is unknown."""
     module = BENCHMARKS.get(benchmark or "", ("",))[0]
     if not module:
         return MEASURED
@@ -167,19 +133,14 @@ def measured_paths(benchmark: str | None) -> tuple[str, ...]:
     return ("ds_lightning", "benchmarks/harness", *folders, *MEASURED[2:])
 
 
-def changed_since(commit: str, paths: Sequence[str] = measured_paths(None)) -> list[str] | None:
+def changed_since(commit: str, paths: Sequence[str] = MEASURED) -> list[str] | None:
     """The files of ``paths`` that differ between ``commit`` and HEAD; ``None`` if git cannot tell."""
-    proc = subprocess.run(
-        ["git", "diff", "--name-only", commit, "HEAD", "--", *paths],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    args = ["git", "diff", "--name-only", commit, "HEAD", "--", *paths]
+    proc = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60)
     return proc.stdout.split() if proc.returncode == 0 else None
 
 
-def _code_flag(commit: str | None, head: str, benchmark: str | None = None) -> str | None:
+def _code_flag(commit: str | None, head: str, benchmark: str | None) -> str | None:
     """Why a file of ``benchmark`` measured at ``commit`` may not describe HEAD's code; ``None`` when it does."""
     if commit == head:
         return None
@@ -192,36 +153,40 @@ def _code_flag(commit: str | None, head: str, benchmark: str | None = None) -> s
     return None
 
 
+def _started(data: dict[str, Any]) -> datetime.datetime | None:
+    try:
+        return datetime.datetime.fromisoformat(data["started"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def _files(
-    results: dict[str, dict[str, Any]], head: str, since: datetime.datetime | None, defaults: dict[str, int]
+    results: dict[str, dict[str, Any]],
+    commits: Counter,
+    code: dict[str, str | None],
+    since: datetime.datetime | None,
+    defaults: dict[str, int],
 ) -> list[dict[str, Any]]:
     """One row per results file: commit, date, launches, seconds, and every flag against one run at one commit."""
-    commits = Counter((d.get("package") or {}).get("commit") for d in results.values())
     common, count = commits.most_common(1)[0] if commits else (None, 0)
     written = {stem for stems in WRITES.values() for stem in stems}
     rows = []
     for stem, data in results.items():
         st, package = data.get("settings") or {}, data.get("package") or {}
-        commit, repeats = package.get("commit") or None, st.get("repeats")
-        flags = []
-        if commit != common:
-            flags.append(f"commit differs from the most common ({_short(common)}, {count} of {len(results)} files)")
-        code = _code_flag(commit, head, data.get("benchmark"))
-        if code:
-            flags.append(code)
-        if package.get("uncommitted"):
-            flags.append("uncommitted package changes")
-        if repeats is None or repeats < MIN_LAUNCHES:
-            flags.append(f"{repeats} launch(es) per arm, under {MIN_LAUNCHES}: not judged")
-        elif repeats != defaults.get(stem, repeats):
-            flags.append(f"{repeats} launches per arm, not the default {defaults[stem]}")
-        if st.get("quick"):
-            flags.append("a --quick run")
-        started = _started(data)
-        if since is not None and (started is None or started < since):
-            flags.append("not rewritten by this run")
-        if stem not in written:
-            flags.append("written by no bench-all target")
+        commit, repeats, started = package.get("commit") or None, st.get("repeats"), _started(data)
+        few, default = repeats is None or repeats < MIN_LAUNCHES, defaults.get(stem, repeats)
+        flags = [
+            f"commit differs from the most common ({_short(common)}, {count} of {len(results)} files)"
+            if commit != common
+            else None,
+            code[stem],
+            "uncommitted package changes" if package.get("uncommitted") else None,
+            f"{repeats} launch(es) per arm, under {MIN_LAUNCHES}: not judged" if few else None,
+            f"{repeats} launches per arm, not the default {default}" if not few and repeats != default else None,
+            "a --quick run" if st.get("quick") else None,
+            "not rewritten by this run" if since and (started is None or started < since) else None,
+            "written by no bench-all target" if stem not in written else None,
+        ]
         rows.append(
             {
                 "file": f"{stem}.json",
@@ -230,7 +195,7 @@ def _files(
                 "repeats": repeats,
                 "quick": bool(st.get("quick")),
                 "seconds": data.get("seconds"),
-                "flags": flags,
+                "flags": [f for f in flags if f],
             }
         )
     return rows
@@ -251,26 +216,17 @@ def _estimate(stems: Sequence[str], results: dict[str, dict[str, Any]], defaults
 def build(
     targets: Sequence[str], runs: Sequence[dict[str, Any]], folder: Path, since: datetime.datetime | None = None
 ) -> dict[str, Any]:
-    """The summary: ``runs`` (:func:`run_targets`, empty for ``--summary-only``) and every results file in ``folder``.
-
-    Args:
-        targets: every bench-all target, in order.
-        runs: what this run ran.
-        folder: the results folder.
-        since: when this run started (files started before it are flagged as not rewritten); ``None``: no run.
-
-    """
+    """The summary of ``runs`` (:func:`run_targets`; empty for ``--summary-only``) and every results file in
+    ``folder``; ``since``, when this run started, flags the files it did not rewrite (``None``: no run)."""
     package = package_state()
     head = package["commit"]
     results = load(folder)
-    defaults = {
-        stem: _benchmark(data["benchmark"]).defaults.get("repeats", MIN_LAUNCHES) for stem, data in results.items()
-    }
+    defaults = {s: _benchmark(d["benchmark"]).defaults.get("repeats", MIN_LAUNCHES) for s, d in results.items()}
     ran = {r["target"]: r for r in runs}
     rows: list[dict[str, Any]] = []
+    verdicts, sources = [], {}
     for target in targets:
-        stems = WRITES.get(target, ())
-        run = ran.get(target)
+        stems, run = WRITES.get(target, ()), ran.get(target)
         recorded = [results[s]["seconds"] / 60 for s in stems if results.get(s, {}).get("seconds")]
         rows.append(
             {
@@ -283,18 +239,20 @@ def build(
                 "estimated_minutes": run["minutes"] if run else _estimate(stems, results, defaults),
             }
         )
-    verdicts, sources = [], {}
-    for target in targets:
-        for stem in WRITES.get(target, ()):
-            if stem in results:
-                found, sources[stem] = verdicts_of(results[stem])
-                verdicts += [{"benchmark": stem, **v} for v in found]
+        for stem in (s for s in stems if s in results):
+            found, sources[stem] = verdicts_of(results[stem])
+            verdicts += [{"benchmark": stem, **v} for v in found]
     counts: dict[str, int] = {v: sum(x["verdict"] == v for x in verdicts) for v in VERDICTS}
     counts.update(total=len(verdicts), files=len(results))
     commits = Counter((d.get("package") or {}).get("commit") for d in results.values())
-    unknown = [r["target"] for r in rows if r["estimated_minutes"] is None]
+    # the code each file measured (measured_paths) is HEAD's: results committed after a run stay current
+    code = {
+        s: _code_flag((d.get("package") or {}).get("commit") or None, head, d.get("benchmark"))
+        for s, d in results.items()
+    }
     estimated = sum(r["estimated_minutes"] or 0.0 for r in rows)
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    yes = {True: "yes", False: "no"}
     return {
         "benchmark": NAME,
         "mode": "summary-only" if since is None else "run",
@@ -306,23 +264,20 @@ def build(
             "budget": BUDGET_MINUTES,
             "run": sum(r["minutes"] for r in rows if r["ran"]) if runs else None,
             "estimated": estimated,
-            "unknown": unknown,
-            "over_budget": "yes" if estimated > BUDGET_MINUTES else "no",
+            "unknown": [r["target"] for r in rows if r["estimated_minutes"] is None],
+            "over_budget": yes[estimated > BUDGET_MINUTES],
         },
         "commits": {
             "head": head or None,
             "distinct": len(commits),
             "most_common": next(iter(commits.most_common(1)), (None, 0))[0],
-            "one_commit": "yes" if len(commits) == 1 else "no",
-            "at_head": "yes" if set(commits) == {head} else "no",
-            # the code each file measured (measured_paths) is HEAD's: results committed after a run stay current
-            "code_unchanged": "yes"
-            if all(_code_flag(commit_of(d), head, d.get("benchmark")) is None for d in results.values())
-            else "no",
+            "one_commit": yes[len(commits) == 1],
+            "at_head": yes[set(commits) == {head}],
+            "code_unchanged": yes[all(flag is None for flag in code.values())],
         },
         "counts": counts,
         "verdicts_from": sources,
-        "files": _files(results, head, since, defaults),
+        "files": _files(results, commits, code, since, defaults),
         "verdicts": verdicts,
     }
 
@@ -334,11 +289,10 @@ def _minutes(x: float | None) -> str:
 def markdown(data: dict[str, Any]) -> list[str]:
     """The summary page."""
     m, c, n = data["minutes"], data["commits"], data["counts"]
-    how = (
-        "`--summary-only`: nothing ran; built from the results files already in `benchmarks/results/`"
-        if data["mode"] == "summary-only"
-        else f"a `make bench-all` run of {sum(r['ran'] for r in data['targets'])} target(s)"
-    )
+    if data["mode"] == "summary-only":
+        how = "`--summary-only`: nothing ran; built from the results files already in `benchmarks/results/`"
+    else:
+        how = f"a `make bench-all` run of {sum(r['ran'] for r in data['targets'])} target(s)"
     flagged = [f for f in data["files"] if f["flags"]]
     if c["one_commit"] == "yes" and c["code_unchanged"] == "yes" and not flagged:
         commits = (
@@ -363,13 +317,10 @@ def markdown(data: dict[str, Any]) -> list[str]:
             f"`{r['target']}`",
             ", ".join(f"`{f}`" for f in r["files"]) or "none (a page)",
             "-" if r["exit"] is None else ("ok" if r["exit"] == 0 else f"**FAILED ({r['exit']})**"),
-            _minutes(r["minutes"]),
-            _minutes(r["recorded_minutes"]),
-            _minutes(r["estimated_minutes"]),
+            *(_minutes(r[k]) for k in ("minutes", "recorded_minutes", "estimated_minutes")),
         ]
         for r in data["targets"]
     ]
-    counted = ", ".join(f"{n[v]} {v}" for v in VERDICTS)
     verdict_rows = [
         [v["benchmark"], v["what"], v["target"], judged_figure(v), v["launches"], v["verdict"]]
         for v in data["verdicts"]
@@ -403,9 +354,9 @@ def markdown(data: dict[str, Any]) -> list[str]:
         "",
         "## Verdicts",
         "",
-        f"{n['total']} targets: {counted}. Each is the median over launches [min - max], judged by the harness's rule"
-        " (`harness.verdict`: met when the median meets the target, within noise when the spread reaches it, not"
-        f" judged under {MIN_LAUNCHES} launches)."
+        f"{n['total']} targets: {', '.join(f'{n[v]} {v}' for v in VERDICTS)}. Each is the median over launches"
+        " [min - max], judged by the harness's rule (`harness.verdict`: met when the median meets the target, within"
+        f" noise when the spread reaches it, not judged under {MIN_LAUNCHES} launches)."
         + (
             f" Summarised again from their records (written before `summary.verdicts`): {', '.join(again)}."
             if again

@@ -15,29 +15,18 @@ from .run import package_state, run_experiment
 from .spec import Arm, Experiment
 from .writers import read_json, verdict_lines, write_json, write_markdown
 
-__all__ = ["RESULTS", "Benchmark", "main"]
-
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 class Benchmark:
-    """One benchmark script: subclass it, keep only the experiment and the reading, and call :func:`main`.
-
-    A subclass sets :attr:`name` (the results' file stem) and :attr:`defaults` / :attr:`quick` (option values in a
-    full and a ``--quick`` run), and implements :meth:`experiment`, :meth:`run`, :meth:`summarise` and
-    :meth:`report`; :meth:`plot`, :meth:`options`, :meth:`meta` and :meth:`progress` are optional.
-    :meth:`collect` runs the experiment interleaved; a benchmark whose launches cover several arms overrides it.
-    """
+    """One benchmark script: subclass it with the experiment and the reading, and call :func:`main`."""
 
     name: str = ""
     description: str = ""
-    #: the workloads ``--model`` offers (see ``harness/workloads.py``); results of another than the first go to
-    #: ``<name>_<model>.*``
+    #: the workloads ``--model`` offers; results of another than the first go to ``<name>_<model>.*``
     models: tuple[str, ...] = ("digits",)
-    #: option values of a full run; ``repeats`` among them
-    defaults: dict[str, Any] = {"repeats": 3}
-    #: option values of a ``--quick`` run (a smoke test)
-    quick: dict[str, Any] = {"repeats": 1}
+    defaults: dict[str, Any] = {"repeats": 3}  # option values of a full run
+    quick: dict[str, Any] = {"repeats": 1}  # ... and of a ``--quick`` smoke test
 
     def options(self, parser: argparse.ArgumentParser) -> None:
         """Add this benchmark's own options; leave a default ``None`` to take it from :attr:`defaults`/:attr:`quick`."""
@@ -59,15 +48,14 @@ class Benchmark:
         return f"median step {record['median_step_ms']:.2f} ms" if "median_step_ms" in record else "done"
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
-        """Run everything; the JSON's body (``records`` at least, and the arms in table order)."""
+        """Run everything; the JSON's body (``records`` at least)."""
         experiment = self.experiment(opts)
         records = run_experiment(experiment, lambda arm, rep: self.run(arm, rep, opts), self.progress)
         arms = {a.name: a.title for a in experiment.arms}
         return {"arms": arms, "baseline": experiment.baseline, "records": records}
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
-        """The summary (medians, spreads, ratios) from ``data["records"]``; recomputed by ``--render``. Its
-        ``"verdicts"`` lists every target the benchmark states, each :func:`harness.judged` (empty: no target)."""
+        """The summary from ``data["records"]``, with ``"verdicts"``: every target, :func:`harness.judged`."""
         raise NotImplementedError
 
     def report(self, data: dict[str, Any]) -> list[str]:
@@ -75,8 +63,7 @@ class Benchmark:
         raise NotImplementedError
 
     def compact(self, data: dict[str, Any]) -> dict[str, Any]:
-        """The JSON's body with per-step series summarised (:func:`harness.series`); :meth:`summarise` must give the
-        same summary from it (``--render``). The records carry per-run figures already unless a benchmark says so."""
+        """The JSON's body with per-step series summarised; :meth:`summarise` must give the same summary from it."""
         return data
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
@@ -84,14 +71,15 @@ class Benchmark:
         return []
 
     def file_stem(self, settings: dict[str, Any]) -> str:
-        """The results' file stem for a run with these settings (:func:`stem`, unless a subclass says otherwise)."""
+        """The results' file stem for a run with these settings."""
         return stem(self, settings.get("model"))
 
 
 def parser(bench: Benchmark) -> argparse.ArgumentParser:
     """The shared options, then the benchmark's own."""
     p = argparse.ArgumentParser(description=bench.description, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help=f"a smoke test: {_show(bench.quick)}")
+    quick = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in bench.quick.items())
+    p.add_argument("--quick", action="store_true", help=f"a smoke test: {quick}")
     p.add_argument("--repeats", type=int, default=None, help="interleaved runs of every arm (full run: %(default)s)")
     p.add_argument(
         "--out", type=Path, default=None, help="output folder (default benchmarks/results; a temp folder with --quick)"
@@ -120,10 +108,6 @@ def stem(bench: Benchmark, model: str | None) -> str:
     return bench.name if model in (None, bench.models[0]) else f"{bench.name}_{model}"
 
 
-def _show(values: dict[str, Any]) -> str:
-    return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in values.items())
-
-
 def resolve(bench: Benchmark, opts: argparse.Namespace) -> argparse.Namespace:
     """Fill every option left ``None`` from the full or quick defaults, and the output folder."""
     for key, value in {**bench.defaults, **(bench.quick if opts.quick else {})}.items():
@@ -143,12 +127,10 @@ def write(bench: Benchmark, data: dict[str, Any], out: Path, json_too: bool = Tr
     """Summarise, then write the JSON (unless re-rendering), the markdown (printed) and the charts."""
     data["summary"] = bench.summarise(data)
     name = bench.file_stem(data.get("settings", {}))
-    written = []
     if json_too:
         write_json(out / f"{name}.json", bench.compact(data))
-        written.append(out / f"{name}.json")
     write_markdown(out / f"{name}.md", [*bench.report(data), *verdict_lines(data["summary"].get("verdicts"))])
-    return [*written, out / f"{name}.md", *bench.plot(data, out)]
+    return [*([out / f"{name}.json"] if json_too else []), out / f"{name}.md", *bench.plot(data, out)]
 
 
 def main(bench: Benchmark, argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -8,8 +8,6 @@ import statistics
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["dumps", "series"]
-
 
 def series(xs: Iterable[float | None]) -> dict[str, Any] | None:
     """A per-step series as its size, median, quartiles and range (what a run's figures and charts read)."""
@@ -20,8 +18,7 @@ def series(xs: Iterable[float | None]) -> dict[str, Any] | None:
     return {"n": len(v), "median": statistics.median(v), "q1": q1, "q3": q3, "min": min(v), "max": max(v)}
 
 
-#: significant digits a float keeps in the JSON: far finer than any clock or counter here resolves (a step time to
-#: the nanosecond, a ratio to 1e-9), and about a fifth of the file smaller than the 17 digits of ``repr``
+#: significant digits a float keeps in the JSON: finer than any clock here, a fifth smaller than ``repr``
 DIGITS = 9
 
 
@@ -36,8 +33,7 @@ def rounded(x: Any) -> Any:
 
 
 def dumps(data: Mapping[str, Any]) -> str:
-    """``data`` as JSON (floats :func:`rounded`), one line per top-level key, and one line per record inside lists
-    (reviewable and small)."""
+    """``data`` as JSON (floats :func:`rounded`), a line per top-level key and per record in lists (reviewable)."""
     lines = []
     for key, value in rounded(dict(data)).items():
         head = f"{json.dumps(key)}: "
@@ -67,8 +63,7 @@ NOT_FIGURES = ("met", "verdict", "what")
 
 
 def same_figures(fresh: Any, stored: Any) -> bool:
-    """Whether every figure in ``stored`` is in ``fresh`` (to ``DIGITS - 2`` significant digits; ``fresh`` may add keys,
-    judge and label anew)."""
+    """Whether every figure in ``stored`` is in ``fresh`` to ``DIGITS - 2`` digits (``fresh`` may add keys)."""
     if isinstance(stored, dict):
         return isinstance(fresh, dict) and all(
             k.endswith(NOT_FIGURES) or (k in fresh and same_figures(fresh[k], v)) for k, v in stored.items()

@@ -6,26 +6,16 @@ import io
 from pathlib import Path
 from typing import Any
 
-__all__ = ["save_figure", "shrink_png"]
-
-COLORS = 32
-
-
-def shrink_png(png: bytes | Path, path: Path) -> None:
-    """Write a PNG (bytes, or a file) to ``path`` with a :data:`COLORS`-colour palette."""
-    from PIL import Image  # matplotlib's own dependency
-
-    with Image.open(io.BytesIO(png) if isinstance(png, bytes) else png) as image:
-        small = image.convert("RGB").quantize(colors=COLORS, method=Image.Quantize.MEDIANCUT)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    small.save(path, "PNG", optimize=True)
-
 
 def save_figure(fig: Any, path: Path, dpi: int = 90) -> None:
     """Save a matplotlib figure to ``path`` as a palette PNG, and close it."""
     import matplotlib.pyplot as plt
+    from PIL import Image  # matplotlib's own dependency
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
-    shrink_png(buf.getvalue(), path)
+    with Image.open(buf) as image:
+        small = image.convert("RGB").quantize(colors=32, method=Image.Quantize.MEDIANCUT)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    small.save(path, "PNG", optimize=True)

@@ -1,8 +1,4 @@
-"""Where a result comes from: the commit, the date, the machine and the versions, recorded in every results JSON.
-
-The docs show these beside every figure they read (``docs/hooks/results.py``), so a reader can tell which code and
-which machine a figure describes, and whether two figures on one page were measured together.
-"""
+"""Where a result comes from (commit, date, machine, versions): recorded in every results JSON, shown by the docs."""
 
 from __future__ import annotations
 
@@ -15,8 +11,6 @@ from pathlib import Path
 from typing import Any
 
 from .run import package_state
-
-__all__ = ["cpu_model", "provenance"]
 
 
 def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str | None:
@@ -43,11 +37,8 @@ def _cores() -> int | None:
 
 
 def provenance() -> dict[str, Any]:
-    """The commit (and uncommitted package changes), the UTC date, the CPU model and cores, and the versions.
-
-    A field that cannot be read is None, never a guess: the docs show it as "unrecorded".
-    """
-    import torch  # the benchmarks' workers need it anyway; imported here so the harness's pure parts do not
+    """The commit, the UTC date, the CPU model and cores, and the versions; a field that cannot be read is None."""
+    import torch  # imported here so the harness's pure parts do not
 
     package = package_state()
     return {

@@ -18,20 +18,12 @@ from ds_lightning.testing import processes
 
 from .spec import Arm, Experiment
 
-__all__ = ["REPO", "Failed", "error_line", "launch", "package_state", "run_experiment", "worker_env"]
-
 REPO = Path(__file__).resolve().parents[2]
 
 
 class Failed(RuntimeError):
-    """A run that produced no result; its message becomes the record's ``"error"``.
-
-    Args:
-        message: why (exit code, timeout, the last error in the log).
-        found: whatever the launch did write (see :func:`launch`), for a benchmark that keeps partial results.
-        log: the launch's output.
-
-    """
+    """A run that produced no result; its message becomes the record's ``"error"``, ``found`` is whatever the launch
+    did write (for a benchmark that keeps partial results), ``log`` its output."""
 
     def __init__(self, message: str, found: dict[str, Any] | None = None, log: str = "") -> None:
         super().__init__(message)
@@ -68,24 +60,12 @@ def launch(
     env: dict[str, str] | None = None,
     outputs: str = "result*.json",
 ) -> tuple[dict[str, Any], float, str]:
-    """Run ``python worker spec.json`` in a session of its own; the JSON files it wrote, its duration and its log.
-
-    The spec gains ``"out_dir"``, the folder the worker writes ``result*.json`` to (one file, or one per rank:
-    ``result.<rank>.json``; ``.jsonl`` files, read line by line, with another ``outputs`` pattern). Whatever the
-    launch left running is killed afterwards: exactly its own process group.
-
-    Returns:
-        ``({file stem: parsed JSON}, seconds, log)``; the mapping has ``"rc"`` too (the exit code or ``"timeout"``).
-
-    Raises:
-        Failed: the worker wrote nothing or timed out; the message has its exit code and the last error in its log,
-            the exception what it did write.
-
-    """
+    """Run ``python worker spec.json`` in a session of its own (its process group killed afterwards); the spec gains
+    ``"out_dir"``, where the worker writes ``outputs``. Returns ``({file stem: parsed JSON, "rc": exit code or
+    "timeout"}, seconds, log)``; raises :class:`Failed` when the worker wrote nothing or timed out."""
     with tempfile.TemporaryDirectory(prefix="ds-bench-") as tmp:
-        spec = {**spec, "out_dir": tmp}
         spec_path = Path(tmp) / "spec.json"
-        spec_path.write_text(json.dumps(spec))
+        spec_path.write_text(json.dumps({**spec, "out_dir": tmp}))
         log_path = Path(tmp) / "log.txt"
         start = time.monotonic()
         with log_path.open("w") as log:
@@ -120,18 +100,8 @@ def run_experiment(
     run: Callable[[Arm, int], dict[str, Any]],
     progress: Callable[[dict[str, Any]], str] | None = None,
 ) -> list[dict[str, Any]]:
-    """Run every arm ``repeats`` times in :meth:`Experiment.order`; one record per run.
-
-    Args:
-        experiment: the arms and repeats.
-        run: runs one arm once (repeat index given) and returns its reading, a flat dict of figures. Raising
-            :class:`Failed` (or any exception) records the run as failed with the message, and the next run starts.
-        progress: one line about a successful record for the console (the arm and repeat are prefixed).
-
-    Returns:
-        Records ``{"arm", "repeat", "order", "seconds", **reading}``, or with ``"error"`` for a failed run.
-
-    """
+    """Run every arm ``repeats`` times in :meth:`Experiment.order`: one record ``{"arm", "repeat", "order",
+    "seconds", **reading}`` per run, with ``"error"`` where ``run`` raised (the next run starts)."""
     records = []
     for i, (rep, arm) in enumerate(experiment.order()):
         start = time.monotonic()
@@ -164,6 +134,5 @@ def package_state() -> dict[str, Any]:
 
     return {
         "commit": git("rev-parse", "HEAD"),
-        # what a run measures: the package and the benchmark code (results and pages are what it writes)
         "uncommitted": git("status", "--short", "--", *MEASURED).splitlines(),
     }

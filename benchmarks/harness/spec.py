@@ -6,21 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-__all__ = ["Arm", "Experiment", "interleave", "round_order"]
-
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class Arm:
-    """One configuration under comparison.
-
-    Args:
-        name: short key, used in records, JSON and chart ticks (e.g. ``"bf16"``).
-        params: what the benchmark's run function needs to run this arm (goes into the worker's spec).
-        label: the name in tables; ``name`` when empty.
-
-    """
+    """One configuration under comparison: ``name`` keys records and charts, ``params`` go to the run, ``label``
+    names it in tables (``name`` when empty)."""
 
     name: str
     params: dict[str, Any] = field(default_factory=dict)
@@ -28,21 +20,13 @@ class Arm:
 
     @property
     def title(self) -> str:
-        """The name shown in tables."""
         return self.label or self.name
 
 
 @dataclass(frozen=True)
 class Experiment:
-    """Arms run ``repeats`` times each, interleaved; ratios are taken against ``baseline``.
-
-    Args:
-        arms: the configurations, in table order.
-        repeats: runs of every arm.
-        baseline: the arm every ratio is taken against (per repeat), or ``None`` for no ratios.
-        rotate: vary each repeat's order (:func:`round_order`), so no arm always runs first or beside the same arm.
-
-    """
+    """Arms (in table order) run ``repeats`` times each, interleaved (:func:`interleave`); ratios are taken per repeat
+    against ``baseline``."""
 
     arms: Sequence[Arm]
     repeats: int
@@ -61,14 +45,13 @@ class Experiment:
             raise ValueError(f"Experiment(baseline={self.baseline!r}) is not an arm; choose one of {names}.")
 
     def arm(self, name: str) -> Arm:
-        """The arm called ``name``."""
         for arm in self.arms:
             if arm.name == name:
                 return arm
         raise KeyError(f"no arm {name!r}; the arms are {[a.name for a in self.arms]}")
 
     def order(self) -> list[tuple[int, Arm]]:
-        """Every run as ``(repeat, arm)``, in launch order: see :func:`interleave`."""
+        """Every run as ``(repeat, arm)``, in launch order."""
         return [(r, self.arm(n)) for r, n in interleave([a.name for a in self.arms], self.repeats, self.rotate)]
 
 
@@ -87,7 +70,5 @@ def round_order(items: Sequence[T], r: int) -> list[T]:
 
 
 def interleave(names: Sequence[str], repeats: int, rotate: bool = True) -> list[tuple[int, str]]:
-    """The launch order ``(repeat, name)``: every arm once per repeat, repeat r in :func:`round_order` (with
-    ``rotate``; the same order every repeat without).
-    """
+    """The launch order ``(repeat, name)``: every arm once per repeat, in :func:`round_order` (with ``rotate``)."""
     return [(r, n) for r in range(repeats) for n in (round_order(names, r) if rotate else list(names))]

@@ -6,8 +6,6 @@ import statistics
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
-__all__ = ["best_of", "fmt", "ok", "paired", "ratio_to", "spread", "summarise", "values"]
-
 Record = Mapping[str, Any]
 
 
@@ -57,12 +55,6 @@ def paired(
             if b != 0:
                 out.append(op(got[arm], b))
     return spread(out)
-
-
-def ratio_to(records: Iterable[Record], base: str, key: str, arms: Iterable[str]) -> dict[str, dict[str, Any] | None]:
-    """Per-repeat ratio ``arm / base`` of ``key`` for every arm but the base."""
-    records = list(records)
-    return {a: paired(records, a, base, key) for a in arms if a != base}
 
 
 def best_of(summary: Mapping[str, Mapping[str, Any]], arms: Iterable[str], key: str) -> str | None:

@@ -11,19 +11,11 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-__all__ = ["StepTimer"]
-
 
 class StepTimer(Callback):
-    """Times every training step on its own rank (batch start to batch end: forward, backward, optimizer step; data
-    loading excluded), and keeps each step's loss and wall-clock span, and every epoch's time (epoch start to the end
-    of its last batch: validation and epoch-end hooks are not part of it).
-
-    Args:
-        warmup: steps left out of :attr:`timed_ms` and :meth:`reading` (first-step allocation, bucket rebuilds).
-        cuda_sync: synchronise CUDA at both ends, so the clock covers the kernels (on when CUDA is in use).
-
-    """
+    """Times every training step on its own rank (batch start to end; data loading excluded), keeping each step's loss
+    and wall-clock span, and every epoch's time up to its last batch's end. ``warmup`` steps are left out of the
+    median; ``cuda_sync`` (on under CUDA) synchronises at both ends so the clock covers the kernels."""
 
     def __init__(self, warmup: int = 0, cuda_sync: bool | None = None) -> None:
         if warmup < 0:

@@ -6,8 +6,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["QUIET", "quiet_trainer"]
-
 #: no logger, checkpoints, progress bar or model summary; no validation (so no sanity check either)
 QUIET: dict[str, Any] = {
     "logger": False,

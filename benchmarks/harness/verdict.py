@@ -6,8 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["MIN_LAUNCHES", "VERDICTS", "is_met", "judged", "verdict"]
-
 #: launches per arm a verdict rests on; fewer (a ``--quick`` run) are reported but not judged
 MIN_LAUNCHES = 3
 #: every verdict :func:`verdict` gives, best first
@@ -15,18 +13,9 @@ VERDICTS = ("met", "within noise", "missed", "not judged", "no data")
 
 
 def verdict(value: Mapping[str, Any] | None, at_most: float | None = None, at_least: float | None = None) -> str:
-    """Judge a spread over launches (:func:`harness.spread`: ``median``, ``min``, ``max``, ``runs``) against a target.
-
-    ``"met"`` when the median meets the target; ``"within noise"`` when it does not but the target lies inside the
-    launches' min-max spread (the miss is no larger than the noise); ``"missed"`` otherwise. ``"not judged"`` with
-    fewer than :data:`MIN_LAUNCHES` launches, ``"no data"`` without a value.
-
-    Args:
-        value: the figure's spread across launches (one value per launch, e.g. a per-repeat ratio).
-        at_most: the target is an upper bound (e.g. a step-time ratio <= 1.05).
-        at_least: the target is a lower bound (e.g. a speed-up >= 1.5).
-
-    """
+    """Judge a spread over launches (:func:`harness.spread`) against one bound: ``"met"`` when the median meets it,
+    ``"within noise"`` when the launches' min-max spread reaches it, else ``"missed"``; ``"not judged"`` under
+    :data:`MIN_LAUNCHES` launches, ``"no data"`` without a value."""
     if (at_most is None) == (at_least is None):
         raise ValueError(f"verdict(at_most={at_most}, at_least={at_least}): give exactly one of the two bounds.")
     if not value:
@@ -56,24 +45,9 @@ def judged(
     spec: str = ".2f",
     holds: bool | None = True,
 ) -> dict[str, Any]:
-    """One target as every benchmark's ``summary["verdicts"]`` lists it: what is judged, the target, the figure's
-    median and spread over launches, how many launches, and the :func:`verdict`.
-
-    Args:
-        what: the figure, in words (e.g. ``"ds_mirrored / plain DDP loop step time"``).
-        value: the figure's spread over launches (:func:`harness.spread`), or ``None`` for no data.
-        at_most: the target is an upper bound.
-        at_least: the target is a lower bound.
-        unit: written after the bound in ``target`` (e.g. ``"x"``, ``" points"``).
-        spec: the bound's format in ``target``.
-        holds: a condition the target also sets that has no spread of its own (e.g. the accuracy one long run kept,
-            or every launch's parameters within a tolerance): ``False`` makes a judged figure ``"missed"``;
-            ``None`` (not measured) makes a met one ``"no data"``.
-
-    Returns:
-        ``{"what", "target", "median", "min", "max", "launches", "verdict"}``; ``target`` reads e.g. ``"<= 1.10x"``.
-
-    """
+    """One target as ``summary["verdicts"]`` lists it: ``{"what", "target", "median", "min", "max", "launches",
+    "verdict"}``, ``target`` e.g. ``"<= 1.10x"`` (the bound in ``spec``, then ``unit``). ``holds`` is a condition
+    without a spread of its own: ``False`` makes a judged figure "missed", ``None`` (unmeasured) a met one "no data"."""
     rule = verdict(value, at_most, at_least)
     if holds is False and rule in ("met", "within noise", "missed"):
         rule = "missed"

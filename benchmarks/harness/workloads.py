@@ -1,10 +1,5 @@
-"""The benchmarks' two workloads: the digits MLP, and the byte-level GPT on the standard library's source text.
-
-Every benchmark takes ``--model digits|gpt`` (the harness's shared option). A worker builds its network, data and loss
-with :func:`build` from the spec's ``"workload"`` entry, which :func:`spec_of` makes from the command line, so every arm
-of a run trains the same thing. Throughput is per sample for the digits and per token for the GPT
-(``tokens_per_sample``: 1 and ``block_size``).
-"""
+"""The benchmarks' two workloads (``--model digits|gpt``): the digits MLP, and the byte-level GPT on the standard
+library's source text. A worker builds the one its spec's ``"workload"`` (:func:`spec_of`) names."""
 
 from __future__ import annotations
 
@@ -46,10 +41,7 @@ def _token_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def build(workload: dict[str, Any], hidden: list[int] | None = None, seed: int = 0) -> Workload:
-    """The workload a spec names: ``{"model": "digits"}`` (an MLP of ``hidden`` widths) or ``{"model": "gpt", ...}``.
-
-    Parameters are initialised from ``seed``, so every process of a run starts from the same model.
-    """
+    """The workload a spec names, its parameters initialised from ``seed`` (every process starts from one model)."""
     torch.manual_seed(seed)
     if workload["model"] == "digits":
         x, y = load_digits_tensors()

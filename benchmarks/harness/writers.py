@@ -12,18 +12,6 @@ from .compact import dumps
 from .figures import save_figure
 from .summary import fmt
 
-__all__ = [
-    "FORMAT",
-    "Panel",
-    "bar_panels",
-    "judged_figure",
-    "markdown_table",
-    "read_json",
-    "verdict_lines",
-    "write_json",
-    "write_markdown",
-]
-
 #: Written into every JSON; ``--render`` reads only JSON carrying it (older results must be run again).
 FORMAT = "ds_lightning-bench/1"
 
@@ -35,12 +23,7 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON written by :func:`write_json`.
-
-    Raises:
-        SystemExit: the file is missing, or was written before the harness (no ``format``): run the benchmark again.
-
-    """
+    """A JSON written by :func:`write_json`; SystemExit when it is missing or has no ``format`` (run it again)."""
     if not path.exists():
         raise SystemExit(f"--render: {path} does not exist; run the benchmark first, or name the JSON: --render PATH")
     data = json.loads(path.read_text())
@@ -101,15 +84,8 @@ def write_markdown(path: Path, lines: Sequence[str], echo: bool = True) -> None:
 
 @dataclass(frozen=True)
 class Panel:
-    """One bar chart of a summary key per arm, with min-max error bars.
-
-    Args:
-        key: the summary key (``summary[arm][key]`` is a spread).
-        ylabel: the axis label.
-        ratio_key: a summary key whose median labels each bar (e.g. ``"step_ms_ratio"``), or empty.
-        log: a log-scaled axis.
-
-    """
+    """One bar chart of ``summary[arm][key]`` (a spread) per arm with min-max bars, each bar labelled with the
+    median of ``summary[arm][ratio_key]`` when given."""
 
     key: str
     ylabel: str

@@ -1,19 +1,14 @@
 """With one of 2 processes 2x slower per sample, how much epoch time does DynamicLoadBalancer save over an equal split?
 
 The arms, the workloads, the calibration, what is measured, the target and the options: README.md in this folder.
-
-    python -m benchmarks.load_balance.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, fmt
@@ -58,24 +53,13 @@ def reading(found: dict[str, Any], warmup_epochs: int) -> dict[str, Any]:
         return statistics.median(c / n for c, n in pairs if n > 0)
 
     steps = fast["step_ms"][first_timed:]
-    return {
-        "rc": found["rc"],
-        "epoch_s": statistics.median(timed),
-        "first_epoch_s": epochs[0] if epochs else None,
-        "timed_epochs": len(timed),
-        "step_ms": statistics.median(steps) if steps else None,
-        "compute_ms_per_sample_r0": per_sample(fast),
-        "compute_ms_per_sample_r1": per_sample(slow),
-        "slow_over_fast_per_sample": per_sample(slow) / per_sample(fast),
-        "final_sizes": fast["final_sizes"],
-        "final_share_rank0": fast["final_sizes"][0] / sum(fast["final_sizes"]),
-        "estimate": fast["estimate"],
-        "final_acc": fast.get("final_acc"),
-        "final_ppl": fast.get("final_ppl"),
-        "epochs": epochs,
-        "step_ms_trace": fast["step_ms"],
-        "sizes_trace": fast["sizes"],
-    }
+    out = {"rc": found["rc"], "epoch_s": statistics.median(timed), "first_epoch_s": epochs[0] if epochs else None}
+    out.update(timed_epochs=len(timed), step_ms=statistics.median(steps) if steps else None)
+    out.update(compute_ms_per_sample_r0=per_sample(fast), compute_ms_per_sample_r1=per_sample(slow))
+    out.update(slow_over_fast_per_sample=per_sample(slow) / per_sample(fast), final_sizes=fast["final_sizes"])
+    out.update(final_share_rank0=fast["final_sizes"][0] / sum(fast["final_sizes"]), estimate=fast["estimate"])
+    out.update(final_acc=fast.get("final_acc"), final_ppl=fast.get("final_ppl"), epochs=epochs)
+    return {**out, "step_ms_trace": fast["step_ms"], "sizes_trace": fast["sizes"]}
 
 
 def per_model(opts: argparse.Namespace) -> argparse.Namespace:
@@ -87,6 +71,11 @@ def unit(settings: dict[str, Any]) -> tuple[str, int]:
     if settings.get("model", "digits") == "gpt":
         return "tokens", int(settings["gpt_block"])
     return "samples", 1
+
+
+def global_batch(settings: dict[str, Any]) -> str:
+    what, per_sample = unit(settings)
+    return f"global batch {settings['global_batch']}" + (f" windows of {per_sample} tokens" if what == "tokens" else "")
 
 
 class LoadBalance(harness.Benchmark):
@@ -132,8 +121,7 @@ class LoadBalance(harness.Benchmark):
         final = f"final ppl {r['final_ppl']:.2f}" if r.get("final_ppl") is not None else f"acc {r['final_acc']:.4f}"
         return (
             f"median epoch {r['epoch_s']:.3f} s, median step {r['step_ms']:.1f} ms, final sizes {r['final_sizes']},"
-            f" compute/sample {r['compute_ms_per_sample_r0']:.3f}/{r['compute_ms_per_sample_r1']:.3f} ms"
-            f" (x{r['slow_over_fast_per_sample']:.2f}), {final}"
+            f" rank 1 / rank 0 per sample x{r['slow_over_fast_per_sample']:.2f}, {final}"
         )
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
@@ -143,13 +131,12 @@ class LoadBalance(harness.Benchmark):
                 run = self.launch(0, 0.0, opts)
             except harness.Failed as exc:
                 raise SystemExit(f"the calibration run (equal split, no sleep) failed: {exc}") from exc
-            print(f"  calibrate (equal split, no sleep): {self.progress(run)}", flush=True)
             # Both ranks do the same work without the sleep; the slower one was the more disturbed by other load.
             per_sample = min(run["compute_ms_per_sample_r0"], run["compute_ms_per_sample_r1"])
             opts.delay_ms_per_sample = (opts.slowdown - 1) * per_sample
             calibration = {"source": "calibration run (equal split, no sleep)", "run": run}
             calibration["undelayed_compute_ms_per_sample"] = per_sample
-            print(f"  straggler: rank {SLOW_RANK} sleeps {opts.delay_ms_per_sample:.3f} ms/sample", flush=True)
+            print(f"  calibrated: rank {SLOW_RANK} sleeps {opts.delay_ms_per_sample:.3f} ms/sample", flush=True)
         calibration["delay_ms_per_sample"] = opts.delay_ms_per_sample
         return {"calibration": calibration, **super().collect(opts)}
 
@@ -168,77 +155,46 @@ class LoadBalance(harness.Benchmark):
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
-        s, cal, st = data["summary"], data["calibration"], data["settings"]
+        s, cal, st, b = data["summary"], data["calibration"], data["settings"], data["summary"][BALANCED]
         what, per_sample = unit(st)
         gpt = what == "tokens"
         limit = f", {st['limit_train_batches']} batches per epoch" if st["limit_train_batches"] else ""
         how = "."
-        if "undelayed_compute_ms_per_sample" in cal:
-            how = (
-                f" (slowdown {st['slowdown']:g} - 1 = {st['slowdown'] - 1:g} x the un-delayed compute of"
-                f" {cal['undelayed_compute_ms_per_sample']:.3f} ms/sample in the calibration run: batch start to the"
-                " launch of the last gradient bucket, / local batch, median over steps, the smaller of the two ranks')."
-                " The sleep is fixed for the whole benchmark: the 'rank 1 / rank 0 per sample' column gives the"
-                " measured slowdown."
-            )
+        if "undelayed_compute_ms_per_sample" in cal:  # calibrated: say from what
+            how = f" ((slowdown {st['slowdown']:g} - 1) x the calibration run's un-delayed compute per sample,"
+            how += f" {cal['undelayed_compute_ms_per_sample']:.3f} ms; fixed for the whole benchmark)."
         rows = []
         for name in (EQUAL, BALANCED):
             v = s[name]
-            rows.append(
-                [
-                    LABELS[name] + (f" ({v['failed_runs']} failed)" if v["failed_runs"] else ""),
-                    fmt(v["epoch_s"], ".3f"),
-                    fmt(v["first_epoch_s"], ".3f"),
-                    fmt(v["step_ms"], ".1f"),
-                    f"{fmt(v['compute_ms_per_sample_r0'], '.3f')} / {fmt(v['compute_ms_per_sample_r1'], '.3f')}",
-                    fmt(v["slow_over_fast_per_sample"], ".2f"),
-                    fmt(v["final_share_rank0"], ".3f"),
-                    ", ".join(str(x) for x in v["final_sizes"]) or "-",
-                    fmt(v.get("per_s"), ".0f", per_sample),
-                    fmt(v.get("final_ppl"), ".2f") if gpt else fmt(v["final_acc"], ".1f", 100),
-                ]
-            )
-        b = s[BALANCED]
+            row = [LABELS[name] + (f" ({v['failed_runs']} failed)" if v["failed_runs"] else "")]
+            row += [fmt(v["epoch_s"], ".3f"), fmt(v["first_epoch_s"], ".3f"), fmt(v["step_ms"], ".1f")]
+            row += [f"{fmt(v['compute_ms_per_sample_r0'], '.3f')} / {fmt(v['compute_ms_per_sample_r1'], '.3f')}"]
+            row += [fmt(v["slow_over_fast_per_sample"], ".2f"), fmt(v["final_share_rank0"], ".3f")]
+            row += [", ".join(str(x) for x in v["final_sizes"]) or "-", fmt(v.get("per_s"), ".0f", per_sample)]
+            rows.append([*row, fmt(v.get("final_ppl"), ".2f") if gpt else fmt(v["final_acc"], ".1f", 100)])
+        ratios = [["epoch time", fmt(b["epoch_s_ratio"], ".3f")]]
+        ratios.append(["median step time, rank 0", fmt(b["step_ms_ratio"], ".3f")])
         if gpt:
-            model = f"{data['workload']} (AdamW lr {st['lr']:g}), global batch {st['global_batch']} windows of"
-            model += f" {per_sample} tokens"
-            final = ["final val perplexity (ratio)", fmt(b.get("final_ppl_ratio"), ".3f")]
+            model = f"{data['workload']} (AdamW lr {st['lr']:g}), {global_batch(st)}"
+            ratios.append(["final val perplexity (ratio)", fmt(b.get("final_ppl_ratio"), ".3f")])
         else:
-            hidden = "-".join(str(h) for h in st.get("hidden", HIDDEN))  # an option until it was dropped
-            model = f"DigitsClassifier 64-{hidden}-10 (SGD lr {st['lr']:g} momentum 0.9), global batch"
-            model += f" {st['global_batch']}"
-            final = ["final val acc (points)", fmt(b["acc_points"], "+.1f")]
+            hidden = "-".join(str(h) for h in HIDDEN)
+            model = f"DigitsClassifier 64-{hidden}-10 (SGD lr {st['lr']:g} momentum 0.9), {global_batch(st)}"
+            ratios.append(["final val acc (points)", fmt(b["acc_points"], "+.1f")])
         head = ["configuration", "epoch (s)", "first epoch (s)", "median step, rank 0 (ms)"]
         head += ["compute/sample rank 0 / rank 1 (ms)", "rank 1 / rank 0 per sample", "final rank-0 share"]
         head += ["final sizes", f"{what}/s", "final val perplexity" if gpt else "final val acc (%)"]
-        val = st.get("val_windows", VAL_WINDOWS)
         return [
             f"2 CPU processes (gloo, 1 thread each) under ds_mirrored, {model}, {st['warmup_epochs']} warm-up +"
             f" {st['epochs']} timed epoch(s){limit}, {st['repeats']} interleaved repeat(s). Balancer: interval"
             f" {st['interval']}, ema 0.5, hysteresis 0.05. Straggler: rank {SLOW_RANK} sleeps"
             f" {cal['delay_ms_per_sample']:.3f} ms per sample of its share in `training_step`{how}",
-            "Epoch time: rank 0, epoch start to the end of its last batch (the harness's `StepTimer`), median over"
-            " the timed epochs of a run; then median [min - max] over repeats. Ratios and differences are per repeat."
-            " Compute per sample: batch start to the launch of the last gradient bucket (what the balancer"
-            f" measures), / local batch size. {what.capitalize()}/s: the global batch"
-            + (f" x {per_sample} tokens" if gpt else "")
-            + " / the median step time of rank 0 over the timed epochs."
-            + (
-                f" Final validation perplexity: the final parameters on the first {val} validation windows."
-                if gpt
-                else ""
-            ),
+            "Epoch time: rank 0's, median over a run's timed epochs; then median [min - max] over repeats, ratios and"
+            " differences per repeat. How each column is measured: [the README](../load_balance/README.md).",
             "",
             *harness.markdown_table(head, rows),
             "",
-            *harness.markdown_table(
-                ["balanced / equal, per repeat", "median [min - max]"],
-                [
-                    ["epoch time", fmt(b["epoch_s_ratio"], ".3f")],
-                    ["median step time, rank 0", fmt(b["step_ms_ratio"], ".3f")],
-                    final,
-                ],
-            ),
+            *harness.markdown_table(["balanced / equal, per repeat", "median [min - max]"], ratios),
         ]
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
@@ -257,9 +213,7 @@ class LoadBalance(harness.Benchmark):
                 shares = [sizes[0] / sum(sizes) for sizes in run["sizes_trace"]]
                 ax1.plot(range(len(shares)), shares, color=COLORS[name], alpha=0.8, lw=1.2, drawstyle="steps-post")
                 trace = run["step_ms_trace"]
-                ax2.plot(
-                    range(len(trace)), trace, color=COLORS[name], alpha=0.6, lw=0.9, label=None if i else LABELS[name]
-                )
+                ax2.plot(trace, color=COLORS[name], alpha=0.6, lw=0.9, label=None if i else LABELS[name])
                 steps_per_epoch = len(trace) // max(1, len(run["epochs"]))
                 timed += trace[1:]
         ax1.axhline(2 / 3, color="k", ls=":", lw=1, label="ideal rank-0 share (2/3)")
@@ -270,24 +224,18 @@ class LoadBalance(harness.Benchmark):
             ax.grid(alpha=0.3)
         if timed:  # the first step (allocation, DDP set-up) is many times longer than the rest
             ax2.set_ylim(0, 3 * statistics.median(timed))
-        ax1.set_ylabel("rank 0's share of the global batch")
-        ax1.set_ylim(0.4, 0.9)
+        ax1.set(ylabel="rank 0's share of the global batch", ylim=(0.4, 0.9))
         ax1.legend(fontsize=8, loc="lower right")
         ratio = data["summary"][BALANCED]["epoch_s_ratio"]
-        what, per_sample = unit(st)
         title = f"{data['workload'].split(' on ')[0]}\nrank {SLOW_RANK} {st['slowdown']:g}x slower per sample,"
-        title += f" global batch {st['global_batch']}" + (
-            f" windows of {per_sample} tokens" if what == "tokens" else ""
-        )
+        title += f" {global_batch(st)}"
         if ratio:
             title += f"; epoch time balanced / equal {ratio['median']:.3f} (target <= {TARGET_RATIO})"
         ax1.set_title(f"{title}\nevery repeat; lines: epoch boundaries; shaded: warm-up (not timed)", fontsize=10)
-        ax2.set_ylabel("step time, rank 0 (ms; first step off the chart)")
-        ax2.set_xlabel("step")
+        ax2.set(ylabel="step time, rank 0 (ms; first step off the chart)", xlabel="step")
         ax2.legend(fontsize=8, loc="upper right")
         fig.tight_layout()
-        path = out / f"{self.file_stem(st)}.png"
-        save_figure(fig, path)
+        save_figure(fig, path := out / f"{self.file_stem(st)}.png")
         return [path]
 
 

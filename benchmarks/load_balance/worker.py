@@ -1,8 +1,5 @@
-"""One load-balance run: the spec's workload on 2 CPU processes under ds_mirrored + DynamicLoadBalancer.
-
-Started by ``driver.py`` with a JSON spec; Lightning re-runs this script for every rank, and every rank writes
-``result.{rank}.json`` (its epoch and step times, local sizes and compute times; rank 0 adds the shares per step, the
-final sizes and estimates, and the final accuracy or perplexity). What each figure means: README.md.
+"""One load-balance launch: the spec's workload on 2 CPU processes under ds_mirrored + DynamicLoadBalancer; every rank
+writes ``result.{rank}.json`` (rank 0 adds the shares, final sizes and accuracy or perplexity). README.md has the rest.
 """
 
 from __future__ import annotations
@@ -16,8 +13,6 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import ds_lightning
 from benchmarks.harness import workloads as _workloads
@@ -118,18 +113,15 @@ def main(spec_path: str) -> None:
     torch.set_num_threads(1)
     pl.seed_everything(spec["seed"], verbose=False)
     balancer = DynamicLoadBalancer(
-        global_batch_size=spec["global_batch_size"],
-        interval=spec["interval"],
-        initial_shares=[1.0, 1.0],
+        global_batch_size=spec["global_batch_size"], interval=spec["interval"], initial_shares=[1.0, 1.0]
     )
     clock = Clock()
     model, train_set, val, metric = make_model(spec)
-    limits: dict[str, Any] = {"max_epochs": spec["epochs"]}
-    if spec.get("limit_train_batches"):
-        limits["limit_train_batches"] = spec["limit_train_batches"]
+    limits = {"limit_train_batches": spec["limit_train_batches"]} if spec.get("limit_train_batches") else {}
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
+        max_epochs=spec["epochs"],
         strategy=ds_lightning.MirroredStrategy(timeout=spec["dist_timeout"]),
         callbacks=[clock, balancer],
         **limits,
@@ -138,19 +130,13 @@ def main(spec_path: str) -> None:
     loader = DataLoader(train_set, batch_size=spec["global_batch_size"] // 2, shuffle=True)
     trainer.fit(model, train_dataloaders=loader)
     rank = trainer.global_rank
-    record: dict[str, Any] = {
-        "rank": rank,
-        "epoch_s": clock.epoch_s,
-        "step_ms": clock.step_ms,
-        "compute_ms": clock.compute_ms,
-        "local_sizes": clock.sizes,
-    }
+    record: dict[str, Any] = {"rank": rank, "epoch_s": clock.epoch_s, "step_ms": clock.step_ms}
+    record.update(compute_ms=clock.compute_ms, local_sizes=clock.sizes)
     if rank == 0:
         plan = balancer.plan
         assert plan is not None
-        record["sizes"] = [list(plan.sizes_at(i)) for i in range(balancer.batches)]
-        record["final_sizes"] = list(plan.latest)
-        record["estimate"] = plan.estimate
+        sizes = [list(plan.sizes_at(i)) for i in range(balancer.batches)]
+        record.update(sizes=sizes, final_sizes=list(plan.latest), estimate=plan.estimate)
         record["final_ppl" if metric == "ppl" else "final_acc"] = evaluate(model, val, metric)
     Path(spec["out_dir"], f"result.{rank}.json").write_text(json.dumps(record))
 

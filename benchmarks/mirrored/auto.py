@@ -1,7 +1,5 @@
-"""The ``gradient_compression="auto"`` arm, shared by mirrored/ (loopback: auto against ``none``) and cluster/ (auto
-against the best fixed setting at each link): what a worker records of auto's choices (what
-``MirroredStrategy.auto_compression`` holds after ``fit``) and how the reports read it.
-"""
+"""The ``gradient_compression="auto"`` arm, shared by mirrored/ (auto against ``none`` on loopback) and cluster/
+(against the best fixed setting per link): what a worker records of auto's choices, and how the reports read it."""
 
 from __future__ import annotations
 
@@ -52,8 +50,9 @@ def timed_choices(reading: dict[str, Any], warmup: int, total: int) -> dict[str,
 
 def probes_in(reading: dict[str, Any], warmup: int, total: int) -> int:
     """Link probes that fell on the timed steps (the set-up probe, at step 0 before any step, is never one)."""
-    decisions = reading.get("decisions") or []
-    return sum(1 for d in decisions if d["probed"] and d["step"] > 0 and warmup <= d["step"] < total)
+    return sum(
+        1 for d in reading.get("decisions") or [] if d["probed"] and d["step"] > 0 and warmup <= d["step"] < total
+    )
 
 
 def trail(reading: dict[str, Any], limit: int = 6) -> str:
@@ -113,8 +112,7 @@ def loopback_summary(records: list[dict[str, Any]], none_arm: str, warmup: int, 
 def loopback_lines(summary: dict[str, Any], none_arm: str, settings: dict[str, Any]) -> list[str]:
     """The report's section on auto: a table of auto against none, then what auto chose."""
     a, n, s = summary[AUTO], summary[none_arm], summary[AUTO]["auto"]
-    interval = settings.get("auto_interval")
-    over = s["over_none"]
+    interval, over = settings.get("auto_interval"), s["over_none"]
     target = [f"**{fmt(over, '.3f')}**", f"<= {LOOPBACK_TARGET:g}", verdict(over, at_most=LOOPBACK_TARGET)]
     rows = [
         ["median step (ms)", *(fmt(v["step_ms"], ".2f") for v in (a, n)), *target],

@@ -1,5 +1,4 @@
 """ds_mirrored against Lightning's ddp and a plain torch DDP loop, per gradient_compression setting, and auto.
-
 The arms, the workloads, the targets and the options: README.md in this folder.
 
     python -m benchmarks.mirrored.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
@@ -15,7 +14,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import harness
-from benchmarks.harness import Arm, Experiment, fmt
+from benchmarks.harness import Arm, Experiment, Panel, fmt
 from benchmarks.harness import workloads as _workloads
 from benchmarks.mirrored.auto import AUTO, LOOPBACK_TARGET, loopback_lines, loopback_summary
 
@@ -32,6 +31,7 @@ TARGETS = {"lightning_ddp": ("Lightning ddp", 1.00), "plain_ddp": ("plain DDP lo
 #: steps, warm-up and batch per process left unset: a full run, then --quick
 FULL = {"digits": {"steps": 80, "warmup": 10, "batch_size": 32}, "gpt": {"steps": 10, "warmup": 3, "batch_size": 8}}
 QUICK = {"digits": {"steps": 10, "warmup": 2}, "gpt": {"steps": 4, "warmup": 2}}
+RECORDED = ("mean_step_ms", "comm_bytes_per_step", "uncompressed_bytes_per_step", "auto")
 
 
 def compression_arms(arms: dict[str, Any]) -> dict[str, str]:
@@ -47,6 +47,18 @@ def block_of(data: dict[str, Any]) -> int:
     return int(data["workload"].get("block_size", 1))
 
 
+def compression_summary(v: dict[str, Any], setting: str, records: list[dict[str, Any]], arm: str) -> dict[str, Any]:
+    sent = v["comm_bytes_per_step"]["median"] if v["comm_bytes_per_step"] else None
+    step = v["step_ms"]["median"] if v["step_ms"] else None
+    full = next((r.get("uncompressed_bytes_per_step") for r in harness.ok(records, arm)), None)
+    # A projection, not a measurement: loopback time plus the payload at the link rate (a 2-rank ring all-reduce
+    # sends about the payload once per rank); cluster/ measures shaped links.
+    projected = {
+        link: step + sent * 8 / (mbit * 1e6) * 1000 if step and sent else None for link, mbit in LINKS_MBIT.items()
+    }
+    return dict(setting=setting, bytes_per_step=sent, uncompressed_bytes_per_step=full, projected_step_ms=projected)
+
+
 class Mirrored(harness.Benchmark):
     name = "mirrored"
     description = __doc__
@@ -57,12 +69,8 @@ class Mirrored(harness.Benchmark):
         parser.add_argument("--warmup", type=int, help="warm-up steps left out (digits 10, GPT 3; --quick: 2)")
         parser.add_argument("--batch-size", type=int, help="batch per process (digits 32, GPT 8)")
         parser.add_argument("--auto-interval", type=int, help="the auto arm's auto_interval (the strategy's 500)")
-        parser.add_argument(
-            "--baseline-bucket-view",
-            choices=["true", "false"],
-            default="true",
-            help="gradient_as_bucket_view of the ddp and plain DDP baselines: true is ds_mirrored's (like for like)",
-        )
+        view = "gradient_as_bucket_view of the ddp and plain DDP baselines: true is ds_mirrored's (like for like)"
+        parser.add_argument("--baseline-bucket-view", choices=["true", "false"], default="true", help=view)
         parser.add_argument("--timeout", type=float, default=600.0, help="seconds one run may take (600)")
         _workloads.add_options(parser)
 
@@ -83,67 +91,43 @@ class Mirrored(harness.Benchmark):
         spec.update(steps=opts.steps, warmup=opts.warmup, workload=_workloads.spec_of(opts))
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1))
         r = found["result"]
-        keys = ("mean_step_ms", "comm_bytes_per_step", "uncompressed_bytes_per_step", "auto")
-        return {"rc": found["rc"], "step_ms": r["median_step_ms"], **{k: r[k] for k in keys if k in r}}
+        return {"rc": found["rc"], "step_ms": r["median_step_ms"], **{k: r[k] for k in RECORDED if k in r}}
 
     def progress(self, record: dict[str, Any]) -> str:
         return f"{record['step_ms']:.2f} ms/step"
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
+        st = data["settings"]
         # throughput is derived here, not recorded: the global batch (2 processes) at a run's median step time
-        per_step = 2 * data["settings"]["batch_size"] * block_of(data)
+        per_step = 2 * st["batch_size"] * block_of(data)
         records = [
             {**r, "throughput": per_step * 1000 / r["step_ms"]} if r.get("step_ms") else r for r in data["records"]
         ]
-        s = harness.summarise(
-            records, list(data["arms"]), ["step_ms", "throughput", "comm_bytes_per_step", "mean_step_ms"]
-        )
+        keys = ["step_ms", "throughput", "comm_bytes_per_step", "mean_step_ms"]
+        s = harness.summarise(records, list(data["arms"]), keys)
         for arm in TARGETS:
             s["ds_mirrored"][f"over_{arm}"] = harness.paired(records, "ds_mirrored", arm, "step_ms")
         for arm, setting in compression_arms(data["arms"]).items():
-            v = s[arm]
-            sent = v["comm_bytes_per_step"]["median"] if v["comm_bytes_per_step"] else None
-            step = v["step_ms"]["median"] if v["step_ms"] else None
-            # A projection, not a measurement: loopback time plus the payload at the link rate (a 2-rank ring
-            # all-reduce sends about the payload once per rank); cluster/ measures shaped links.
-            v["compression"] = {
-                "setting": setting,
-                "bytes_per_step": sent,
-                "uncompressed_bytes_per_step": next(
-                    (r.get("uncompressed_bytes_per_step") for r in harness.ok(records, arm)), None
-                ),
-                "projected_step_ms": {
-                    link: step + sent * 8 / (mbit * 1e6) * 1000 if step and sent else None
-                    for link, mbit in LINKS_MBIT.items()
-                },
-            }
-        st = data["settings"]
-        s[AUTO]["auto"] = loopback_summary(records, "ds_mirrored", st["warmup"], st["steps"])
+            s[arm]["compression"] = compression_summary(s[arm], setting, records, arm)
+        s[AUTO]["auto"] = auto = loopback_summary(records, "ds_mirrored", st["warmup"], st["steps"])
         s["verdicts"] = [
             harness.judged(f"ds_mirrored / {name} step time", s["ds_mirrored"][f"over_{arm}"], at_most=bound, unit="x")
             for arm, (name, bound) in TARGETS.items()
         ]
-        over_none = s[AUTO]["auto"]["over_none"]
-        s["verdicts"].append(
-            harness.judged("auto / none step time on loopback", over_none, at_most=LOOPBACK_TARGET, unit="x")
-        )
+        what = "auto / none step time on loopback"
+        s["verdicts"].append(harness.judged(what, auto["over_none"], at_most=LOOPBACK_TARGET, unit="x"))
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
         s, st, unit = data["summary"], data["settings"], unit_of(data)
         rows = [[n, fmt(s[n]["step_ms"], ".2f"), fmt(s[n].get("throughput"), ".0f")] for n in STRATEGIES]
         for arm, (name, bound) in TARGETS.items():
-            rows.append(
-                [
-                    f"**ds_mirrored / {name} (target <= {bound:.2f})**",
-                    f"**{fmt(s['ds_mirrored'][f'over_{arm}'], '.3f')}**",
-                    "",
-                ]
-            )
+            over = fmt(s["ds_mirrored"][f"over_{arm}"], ".3f")
+            rows.append([f"**ds_mirrored / {name} (target <= {bound:.2f})**", f"**{over}**", ""])
         comp_rows = []
         for arm in compression_arms(data["arms"]):
-            c, p = s[arm]["compression"], s[arm]["compression"]["projected_step_ms"]
-            sent, full = c["bytes_per_step"], c["uncompressed_bytes_per_step"]
+            c = s[arm]["compression"]
+            sent, full, p = c["bytes_per_step"], c["uncompressed_bytes_per_step"], c["projected_step_ms"]
             comp_rows.append(
                 [
                     c["setting"],
@@ -178,9 +162,9 @@ class Mirrored(harness.Benchmark):
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
         panels = [
-            harness.Panel("step_ms", "median step time (ms)"),
-            harness.Panel("throughput", f"{unit_of(data)} per second"),
-            harness.Panel("comm_bytes_per_step", "payload per step per rank (bytes, counted)", log=True),
+            Panel("step_ms", "median step time (ms)"),
+            Panel("throughput", f"{unit_of(data)} per second"),
+            Panel("comm_bytes_per_step", "payload per step per rank (bytes, counted)", log=True),
         ]
         title = f"ds_mirrored on the {data['workload_label']}, 2 CPU processes (median, min-max over repeats)"
         path = out / f"{self.file_stem(data['settings'])}.png"

@@ -1,7 +1,5 @@
-"""One mirrored-benchmark run on 2 CPU processes: a Lightning strategy, or a plain torch DDP loop (the floor).
-
-Started by ``driver.py`` with a JSON spec; rank 0 writes ``result.json`` (what it holds: README.md in this folder).
-"""
+"""One mirrored-benchmark run on 2 CPU processes: a Lightning strategy, or a plain torch DDP loop (the floor); rank
+0 writes ``result.json`` (what it holds: ``README.md``)."""
 
 from __future__ import annotations
 
@@ -9,7 +7,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -29,6 +26,7 @@ from benchmarks.harness import workloads as _workloads
 from benchmarks.harness.timing import StepTimer
 from benchmarks.harness.trainer import quiet_trainer
 from benchmarks.mirrored.auto import auto_reading
+from benchmarks.sharding_engines.common import timed_steps
 from ds_lightning.testing import free_port
 
 
@@ -43,9 +41,7 @@ class BenchModel(pl.LightningModule):
 
     def __init__(self, workload: _workloads.Workload) -> None:
         super().__init__()
-        self.net = workload.net
-        self.loss = workload.loss
-        self.model_name = workload.name
+        self.net, self.loss, self.model_name = workload.net, workload.loss, workload.name
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -67,13 +63,8 @@ def run_lightning(spec: dict[str, Any]) -> None:
     elif strategy == "ddp":  # like for like with ds_mirrored, whose default is gradient_as_bucket_view=True
         strategy = DDPStrategy(gradient_as_bucket_view=spec["bucket_view"])
     timer = StepTimer(warmup=spec["warmup"])
-    trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy,
-        max_steps=spec["warmup"] + spec["steps"],
-        callbacks=[timer],
-    )
+    steps = spec["warmup"] + spec["steps"]
+    trainer = quiet_trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=[timer])
     loader = DataLoader(workload.train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
     trainer.fit(BenchModel(workload), train_dataloaders=loader)
     if trainer.is_global_zero:
@@ -95,23 +86,7 @@ def _plain_worker(rank: int, spec: dict[str, Any], port: int) -> None:
     workload = _workloads.build(spec["workload"])
     model = nn.parallel.DistributedDataParallel(workload.net, gradient_as_bucket_view=spec["bucket_view"])
     optimizer = make_optimizer(workload.name, model.parameters())
-    dataset = workload.train_set
-    sampler = DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=True, seed=0, drop_last=True)
-    loader = DataLoader(dataset, batch_size=spec["batch_size"], sampler=sampler, drop_last=True)
-    total = spec["warmup"] + spec["steps"]
-    times: list[float] = []
-    epoch = 0
-    while len(times) < total:
-        sampler.set_epoch(epoch)
-        for x, y in loader:
-            start = time.perf_counter()  # the span StepTimer takes in Lightning: forward, backward, step
-            optimizer.zero_grad(set_to_none=True)
-            workload.loss(model(x), y).backward()
-            optimizer.step()
-            times.append(1000 * (time.perf_counter() - start))
-            if len(times) == total:
-                break
-        epoch += 1
+    times = timed_steps(workload, model, optimizer, 2, rank, spec["batch_size"], spec["warmup"] + spec["steps"])
     dist.barrier()
     if rank == 0:
         timed = times[spec["warmup"] :]

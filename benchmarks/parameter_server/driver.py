@@ -1,7 +1,6 @@
-"""ds_parameter_server against ds_mirrored with one of 2 workers a straggler: the arms, the calibration, the summary,
-the targets, the tables and the chart. The question, the method and the targets are in README.md.
+"""ds_parameter_server against ds_mirrored with one of 2 workers a straggler; question, method, targets: README.md.
 
-    python -m benchmarks.parameter_server.driver [--quick] [--model digits|gpt] [--steps N] [--slowdown 3] ...
+python -m benchmarks.parameter_server.driver [--quick] [--model digits|gpt] [--steps N] [--slowdown 3] ...
 """
 
 from __future__ import annotations
@@ -82,17 +81,16 @@ class ParameterServer(harness.Benchmark):
     models = ("digits", "gpt")
 
     def options(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--steps", type=int, default=None, help="ds_mirrored steps per worker (120; GPT 12)")
-        parser.add_argument("--eval-every", type=int, default=None, help="rank 0 evaluates every N steps (10; GPT 4)")
-        parser.add_argument("--batch", type=int, default=None, help="samples per worker and step (32; GPT 8 windows)")
-        parser.add_argument("--lr", type=float, default=None, help="SGD lr (0.05), AdamW for the GPT (1e-3)")
-        parser.add_argument("--val-windows", type=int, default=16, help="GPT: validation windows evaluated (16)")
-        parser.add_argument(
-            "--delay-ms-per-sample", type=float, default=None, help="the straggler's sleep (calibrated)"
-        )
-        parser.add_argument("--slowdown", type=float, default=3.0, help="how much slower the straggler's step is (3)")
-        parser.add_argument("--timeout", type=float, default=300.0, help="seconds one launch may take (300)")
-        parser.add_argument("--dist-timeout", type=int, default=120, help="seconds any collective or reply may wait")
+        add = parser.add_argument
+        add("--steps", type=int, help="ds_mirrored steps per worker (120; GPT 12)")
+        add("--eval-every", type=int, help="rank 0 evaluates every N steps (10; GPT 4)")
+        add("--batch", type=int, help="samples per worker and step (32; GPT 8 windows)")
+        add("--lr", type=float, help="SGD lr (0.05), AdamW for the GPT (1e-3)")
+        add("--val-windows", type=int, default=16, help="GPT: validation windows evaluated (16)")
+        add("--delay-ms-per-sample", type=float, help="the straggler's sleep (calibrated)")
+        add("--slowdown", type=float, default=3.0, help="how much slower the straggler's step is (3)")
+        add("--timeout", type=float, default=300.0, help="seconds one launch may take (300)")
+        add("--dist-timeout", type=int, default=120, help="seconds any collective or reply may wait")
         _workloads.add_options(parser)
 
     def meta(self, opts: argparse.Namespace) -> dict[str, Any]:
@@ -118,13 +116,8 @@ class ParameterServer(harness.Benchmark):
         return self.launch(arm.params, opts.delay_ms_per_sample if arm.params["straggler"] else 0.0, opts)
 
     def progress(self, r: dict[str, Any]) -> str:
-        final = (
-            f"final ppl {r['final_ppl']:.2f}" if r.get("final_ppl") is not None else f"final acc {r['final_acc']:.4f}"
-        )
-        return (
-            f"{r['samples_per_s']:7.1f} samples/s, steps {r['steps_w0']}/{r['steps_w1']}, median step"
-            f" {r['step_ms_w0']:.1f}/{r['step_ms_w1']:.1f} ms, {final}"
-        )
+        final = f"ppl {r['final_ppl']:.2f}" if r.get("final_ppl") is not None else f"acc {r['final_acc']:.4f}"
+        return f"{r['samples_per_s']:7.1f} samples/s, steps {r['steps_w0']}/{r['steps_w1']}, final {final}"
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
         """The straggler's sleep first: (slowdown - 1) x an un-delayed ds_mirrored step, from a calibration run."""
@@ -137,9 +130,8 @@ class ParameterServer(harness.Benchmark):
             step_ms = run["step_ms_w0"]
             opts.delay_ms_per_sample = (opts.slowdown - 1) * step_ms / opts.batch
             calibration = {"source": "a ds_mirrored run without straggler", "undelayed_step_ms": step_ms, "run": run}
-            print(f"  straggler: worker {SLOW_RANK} sleeps {opts.delay_ms_per_sample:.3f} ms/sample", flush=True)
-        calibration.update(delay_ms_per_sample=opts.delay_ms_per_sample)
-        calibration["delay_ms_per_step"] = opts.delay_ms_per_sample * opts.batch
+        delay = opts.delay_ms_per_sample
+        calibration.update(delay_ms_per_sample=delay, delay_ms_per_step=delay * opts.batch)
         return {"calibration": calibration, **super().collect(opts)}
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
@@ -151,10 +143,11 @@ class ParameterServer(harness.Benchmark):
                 s[arm]["acc_points"] = harness.paired(records, arm, base, "final_acc", lambda x, y: 100 * (x - y))
                 s[arm]["final_ppl_ratio"] = harness.paired(records, arm, base, "final_ppl")
                 s[arm]["step_ms_w0_ratio"] = harness.paired(records, arm, base, "step_ms_w0")
+        gpt = unit(data["settings"])[0] == "tokens"
         what = "async throughput vs ds_mirrored under the straggler"
         judged = [harness.judged(what, s[ASYNC]["samples_per_s_ratio"], at_least=TARGET_ASYNC_SPEEDUP, unit="x")]
         for name in (ASYNC, "ps_staleness_4", BSP):
-            if unit(data["settings"])[0] == "tokens":
+            if gpt:
                 what = f"final validation perplexity of {LABELS[name]} vs ds_mirrored at equal tokens"
                 judged.append(harness.judged(what, s[name]["final_ppl_ratio"], at_most=TARGET_PPL_RATIO, unit="x"))
             else:
@@ -170,33 +163,33 @@ class ParameterServer(harness.Benchmark):
         what, per_sample = unit(st)
         gpt, batch = what == "tokens", st["batch"]
 
-        def failed(v: dict[str, Any]) -> str:
-            return f" ({v['failed_runs']} failed)" if v["failed_runs"] else ""
+        def label(name: str, v: dict[str, Any]) -> str:
+            return LABELS[name] + (f" ({v['failed_runs']} failed)" if v["failed_runs"] else "")
 
-        def final(v: dict[str, Any]) -> list[str]:
-            if gpt:
-                return [fmt(v.get("final_ppl"), ".2f"), fmt(v.get("final_ppl_ratio"), ".3f")]
-            return [fmt(v["final_acc"], ".1f", 100), fmt(v.get("acc_points"), "+.1f")]
-
+        if gpt:
+            model = f"{data['workload']} (AdamW lr {st['lr']:g}), batch {batch} windows of {per_sample} tokens"
+            final_figure = f"validation perplexity on the first {st['val_windows']} validation windows"
+            final_heads, final = (
+                ["final val perplexity", "vs ds_mirrored"],
+                [("final_ppl", ".2f", 1), ("final_ppl_ratio", ".3f", 1)],
+            )
+        else:
+            model = f"DigitsClassifier 64-128-10 (SGD lr {st['lr']:g} momentum 0.9), batch {batch}"
+            final_figure = "validation accuracy"
+            final_heads, final = (
+                ["final val acc", "vs ds_mirrored (points)"],
+                [("final_acc", ".1f", 100), ("acc_points", "+.1f", 1)],
+            )
         straggler_rows = [
             [
-                LABELS[name] + failed(v),
+                label(name, v),
                 fmt(v["samples_per_s"], ".0f", per_sample),
                 fmt(v.get("samples_per_s_ratio"), ".2f"),
-                *final(v),
+                *(fmt(v.get(k), f, scale) for k, f, scale in final),
                 f"{fmt(v['step_ms_w0'], '.1f')} / {fmt(v['step_ms_w1'], '.1f')}",
             ]
             for name, v in s.items()
         ]
-        if gpt:
-            model = f"{data['workload']} (AdamW lr {st['lr']:g}), batch {batch} windows of {per_sample} tokens"
-            final_figure = f"validation perplexity on the first {st['val_windows']} validation windows"
-        else:
-            model = f"DigitsClassifier 64-128-10 (SGD lr {st['lr']:g} momentum 0.9), batch {batch}"
-            final_figure = "validation accuracy"
-        final_heads = (
-            ["final val perplexity", "vs ds_mirrored"] if gpt else ["final val acc", "vs ds_mirrored (points)"]
-        )
         return [
             f"2 CPU workers, {model} per worker, {st['steps']} ds_mirrored steps per worker ="
             f" {WORKERS * st['steps'] * batch * per_sample} training {what} per run, {st['repeats']} interleaved"
@@ -216,14 +209,13 @@ class ParameterServer(harness.Benchmark):
             *harness.markdown_table(
                 ["configuration", "median step w0 (ms)", "vs ds_mirrored"],
                 [
-                    [LABELS[k] + failed(v), fmt(v["step_ms_w0"], ".1f"), fmt(v.get("step_ms_w0_ratio"), ".2f")]
+                    [label(k, v), fmt(v["step_ms_w0"], ".1f"), fmt(v.get("step_ms_w0_ratio"), ".2f")]
                     for k, v in n.items()
                 ],
             ),
         ]
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
-        """Throughput and the final figure with and without the straggler, and rank 0's step time."""
         final = ("final_ppl", "final validation perplexity") if unit(data["settings"])[0] == "tokens" else None
         panels = [
             Panel("samples_per_s", "samples/s (GPT: windows/s)", "samples_per_s_ratio"),

@@ -1,6 +1,5 @@
 """One launch of the straggler benchmark (see README.md): the spec's workload on 2 CPU workers under ds_mirrored or
-ds_parameter_server. Every worker writes ``result.{r}.json`` into the spec's ``out_dir``: its step times and phases, the
-samples it pushed, its training phase's start and end, and on rank 0 the validation curve and the final figure.
+ds_parameter_server; every worker writes ``result.{r}.json`` into the spec's ``out_dir``.
 """
 
 from __future__ import annotations
@@ -32,10 +31,8 @@ def _batch_size(batch: Any) -> int:
 
 
 def _budget_spent(trainer: pl.Trainer) -> bool:
-    """Whether this step's pull found ds_parameter_server's ``max_updates`` spent: the step ran but pushed nothing.
-
-    Nothing else here sets ``should_stop`` (ds_mirrored ends at ``max_steps``), so it marks that last step.
-    """
+    """Whether this step's pull found ds_parameter_server's ``max_updates`` spent: the step ran but pushed nothing
+    (nothing else here sets ``should_stop``: ds_mirrored ends at ``max_steps``)."""
     return getattr(trainer.strategy, "max_updates", None) is not None and trainer.should_stop
 
 
@@ -50,7 +47,7 @@ class _Timed:
 
 
 class TimedClassifier(_Timed, DigitsClassifier):
-    """The digits classifier, timed."""
+    pass
 
 
 class Workload(pl.LightningModule):
@@ -58,9 +55,7 @@ class Workload(pl.LightningModule):
 
     def __init__(self, workload: _workloads.Workload, lr: float) -> None:
         super().__init__()
-        self.net = workload.net
-        self.loss = workload.loss
-        self.lr = lr
+        self.net, self.loss, self.lr = workload.net, workload.loss, lr
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -73,17 +68,16 @@ class Workload(pl.LightningModule):
 
 
 class TimedWorkload(_Timed, Workload):
-    """The GPT, timed."""
+    pass
 
 
 PHASES = ("sleep", "before_step", "step_backward", "after_backward")
 
 
 class StepClock(StepTimer):
-    """The harness's step clock, stopped once the update budget is spent; it makes the straggler sleep
-    ``delay_per_sample`` per sample after the clock starts (a step's time includes its delay) and splits each step into
-    the sleep, the time up to ``training_step`` (ds_parameter_server's pull), ``training_step`` plus backward
-    (ds_mirrored's all-reduce) and what follows (the push, or the optimizer step)."""
+    """The harness's step clock, stopped once the update budget is spent; the straggler sleeps inside the clock; each
+    step splits into the sleep, up to ``training_step`` (the pull), it plus backward (ds_mirrored's all-reduce), and
+    what follows (the push, or the optimizer step)."""
 
     def __init__(self, slow_rank: int, delay_per_sample: float) -> None:
         super().__init__()
@@ -107,32 +101,22 @@ class StepClock(StepTimer):
             return
         super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
         started, end = pl_module.step_started, self._last_end or time.perf_counter()
-        phases = (
-            self._slept,
-            started - self._start - self._slept,
-            self._backward_done - started,
-            end - self._backward_done,
-        )
-        for name, value in zip(PHASES, phases, strict=True):
+        phases = (self._slept, started - self._start - self._slept, self._backward_done - started)
+        for name, value in zip(PHASES, (*phases, end - self._backward_done), strict=True):
             self.phase_ms[name].append(1000 * value)
         self.samples += _batch_size(batch)
 
 
 class Evaluator(Callback):
-    """Rank 0 only, no collectives: every ``every`` steps, accuracy or perplexity (``metric``) of its current
-    parameters on the fixed validation batch, against the samples the servers' update count (or ds_mirrored's steps)
-    stands for."""
+    """Rank 0 only, no collectives: every ``every`` steps, accuracy or perplexity (``metric``) of its parameters on the
+    validation batch, against the samples the servers' update count (or ds_mirrored's steps) stands for."""
 
     def __init__(
         self, every: int, val: tuple[torch.Tensor, torch.Tensor], samples_per_update: int, metric: str = "acc"
-    ) -> None:
-        self.every = every
-        self.x, self.y = val
-        self.metric = metric
-        self.samples_per_update = samples_per_update
+    ):
+        self.every, (self.x, self.y), self.metric, self.samples_per_update = every, val, metric, samples_per_update
         self.curve: list[list[float]] = []
-        self.eval_s = 0.0
-        self._steps = 0
+        self.eval_s, self._steps = 0.0, 0
 
     def evaluate(self, module: Any) -> float:
         start = time.perf_counter()
@@ -147,9 +131,7 @@ class Evaluator(Callback):
 
     def _samples_seen(self, trainer: pl.Trainer) -> int:
         pull = getattr(trainer.strategy, "_last_pull", None)
-        if pull is not None:
-            return int(pull.updates) * self.samples_per_update
-        return trainer.global_step * self.samples_per_update
+        return (trainer.global_step if pull is None else int(pull.updates)) * self.samples_per_update
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         if trainer.global_rank == 0:
@@ -205,11 +187,7 @@ def main(spec_path: str) -> None:
     model, train_set, val, metric = make_model(spec)
     evaluator = Evaluator(spec["eval_every"], val, samples_per_update, metric)
     trainer = quiet_trainer(
-        accelerator="cpu",
-        devices=workers,
-        strategy=strategy,
-        callbacks=[clock, evaluator],
-        **limits,
+        accelerator="cpu", devices=workers, strategy=strategy, callbacks=[clock, evaluator], **limits
     )
     loader = DataLoader(train_set, batch_size=batch, shuffle=True, drop_last=True)
     trainer.fit(model, train_dataloaders=loader)
@@ -218,8 +196,7 @@ def main(spec_path: str) -> None:
         # measured, but the chief's fit waits for it), so it leaves at once.
         sys.stdout.flush()
         os._exit(0)
-    rank = trainer.global_rank
-    steps_ms = clock.step_ms
+    rank, steps_ms = trainer.global_rank, clock.step_ms
     busy_ms = [t - s for t, s in zip(steps_ms, clock.phase_ms["sleep"], strict=True)]
     record: dict[str, Any] = {
         "rank": rank,

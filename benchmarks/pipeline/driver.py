@@ -1,7 +1,6 @@
-"""ds_pipeline against a hand-written torch.distributed.pipelining loop, and what micro-batching and the schedule do on
-CPU: the arms, the launches and the summary. The question, the method and the target are in README.md.
+"""ds_pipeline against a hand-written torch.distributed.pipelining loop on CPU; question, method and target: README.md.
 
-    python -m benchmarks.pipeline.driver [--quick] [--model digits|gpt] [--steps N] [--procs 2 4] [--ms 2 8] ...
+python -m benchmarks.pipeline.driver [--quick] [--model digits|gpt] [--steps N] [--procs 2 4] [--ms 2 8] ...
 """
 
 from __future__ import annotations
@@ -40,8 +39,8 @@ def workload_label(st: dict[str, Any]) -> str:
 
 
 def _merge(lines: list[dict[str, Any]], procs: int) -> dict[str, dict[str, Any]]:
-    """Per-rank lines of one launch, merged per configuration: rank 0's step times, every rank's peak and CPU time
-    (summed); a configuration counts only when every rank finished it."""
+    """Per-rank lines merged per configuration: rank 0's step times, every rank's peak, CPU time summed; only the
+    configurations every rank finished."""
     merged: dict[str, dict[str, Any]] = {}
     for line in lines:
         entry = merged.setdefault(line["key"], {"peak_bytes": {}, "unit_bytes": {}, "spans": [], "ranks": 0})
@@ -56,8 +55,8 @@ def _merge(lines: list[dict[str, Any]], procs: int) -> dict[str, dict[str, Any]]
 
 
 def run_launches(impl: str, p: int, configs: list[dict[str, Any]], opts: argparse.Namespace) -> dict[str, Any]:
-    """All ``configs`` in as few launches as possible: one that fails or hangs is recorded as failed, and the launch
-    restarts from the next."""
+    """All ``configs`` in as few launches as possible: one that fails or hangs is recorded, and a launch restarts from
+    the next."""
     results: dict[str, dict[str, Any]] = {}
     remaining = list(configs)
     while remaining:
@@ -65,20 +64,18 @@ def run_launches(impl: str, p: int, configs: list[dict[str, Any]], opts: argpars
         spec.update({k: getattr(opts, k) for k in ("dist_timeout", "warmup", "steps", "trace_steps", "batch")})
         try:
             found, _, log = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(1), outputs="rank*.jsonl")
-        except harness.Failed as exc:
-            found, log = exc.found, exc.log
+            err = harness.error_line(log)
+            reason = f"exit code {found['rc']}" + (f", {err}" if err else "")
+        except harness.Failed as exc:  # its message: the exit code or the timeout, and the log's last error
+            found, log, reason = exc.found, exc.log, str(exc)
         merged = _merge([line for k, v in found.items() if k != "rc" for line in v], p)
         results.update({c["key"]: merged[c["key"]] for c in remaining if c["key"] in merged})
         remaining = [c for c in remaining if c["key"] not in merged]
         if not remaining:
             break
         failed = remaining.pop(0)  # configurations run in order: the first one missing is where it stopped
-        reason = (
-            f"timed out after {opts.timeout:.0f} s" if found.get("rc") == "timeout" else f"exit code {found.get('rc')}"
-        )
-        reason += f", {harness.error_line(log)}" if harness.error_line(log) else ""
         results[failed["key"]] = {"error": reason, "log_tail": log[-1500:]}
-        print(f"  FAILED {failed['key']}: {reason}; log tail:\n{log[-1500:]}", flush=True)
+        print(f"  FAILED {failed['key']}: {reason}", flush=True)
     return results
 
 
@@ -109,6 +106,19 @@ def summarise_config(records: list[dict[str, Any]], key: str) -> dict[str, Any]:
 def pipe_configs(p: int, ms: list[int]) -> list[dict[str, Any]]:
     """Every (schedule, m) for p stages; 1F1B needs n_microbatches >= stages."""
     return [{"schedule": s, "m": m} for s in SCHEDULES for m in ms if not (s == "1F1B" and m < p)]
+
+
+def trace_m(ms: list[int]) -> int:
+    return report.TRACE_M if report.TRACE_M in ms else max(ms)
+
+
+def step_by_repeat(records: list[dict[str, Any]], key: str) -> dict[int, float]:
+    """One configuration's median step time by repeat, where it ran."""
+    return {
+        r["repeat"]: c["median_step_ms"]
+        for r in records
+        if "median_step_ms" in (c := r.get("configs", {}).get(key, {}))
+    }
 
 
 class Pipeline(harness.Benchmark):
@@ -174,26 +184,18 @@ class Pipeline(harness.Benchmark):
                 entry["ratio_ds_over_hand"] = harness.spread(ds[k] / hand[k] for k in sorted(set(hand) & set(ds)))
                 configs.append(entry)
         gpt = st.get("model") == "gpt"
-        meta = {"procs": procs, "ms": ms, "trace_m": report.TRACE_M if report.TRACE_M in ms else max(ms)}
-        meta.update(workload=workload_label(st), unit="tokens" if gpt else "samples")
-        meta["per_step"] = st["batch"] * (st["gpt_block"] if gpt else 1)
+        meta = {"procs": procs, "ms": ms, "trace_m": trace_m(ms), "workload": workload_label(st)}
+        meta.update(unit="tokens" if gpt else "samples", per_step=st["batch"] * (st["gpt_block"] if gpt else 1))
+        what = "ds_pipeline / hand-written step time, p={p} {schedule} m={m}"
         verdicts = [
-            harness.judged(
-                f"ds_pipeline / hand-written step time, p={c['p']} {c['schedule']} m={c['m']}",
-                c["ratio_ds_over_hand"],
-                at_most=TARGET,
-                unit="x",
-            )
-            for c in configs
+            harness.judged(what.format(**c), c["ratio_ds_over_hand"], at_most=TARGET, unit="x") for c in configs
         ]
         return {"meta": meta, "single": single, "configs": configs, "verdicts": verdicts}
 
     def compact(self, data: dict[str, Any]) -> dict[str, Any]:
-        """Every run's step times as quantiles and its spans as its bubble; only the runs the traces are drawn from (the
-        last good one at p=TRACE_P, m=trace_m) keep their spans, so ``--render`` redraws them."""
-        ms = sorted(data["settings"]["ms"])
-        trace_m = report.TRACE_M if report.TRACE_M in ms else max(ms)
-        keep = {id(report.traced_run(data["records"], i, s, trace_m)) for i in IMPLS for s in SCHEDULES}
+        """Step times as quantiles, spans as a bubble; only the runs the traces are drawn from keep their spans."""
+        m = trace_m(data["settings"]["ms"])
+        keep = {id(report.traced_run(data["records"], i, s, m)) for i in IMPLS for s in SCHEDULES}
         for run in (run for record in data["records"] for run in record.get("configs", {}).values()):
             if isinstance(run.get("step_ms"), list):
                 run["step_ms"] = harness.series(run["step_ms"])
@@ -212,15 +214,6 @@ class Pipeline(harness.Benchmark):
             report.step_chart(data, out / f"{stem}.png"),
             *report.write_traces(data["records"], data["summary"]["meta"]["trace_m"], out, stem),
         ]
-
-
-def step_by_repeat(records: list[dict[str, Any]], key: str) -> dict[int, float]:
-    """One configuration's median step time by repeat, where it ran."""
-    return {
-        r["repeat"]: c["median_step_ms"]
-        for r in records
-        if "median_step_ms" in (c := r.get("configs", {}).get(key, {}))
-    }
 
 
 if __name__ == "__main__":

@@ -36,50 +36,37 @@ def _cell(v: dict[str, Any] | None, f: str = ".1f") -> str:
     return "failed" if v is None else harness.fmt(v, f)
 
 
-def _per_stage(entry: dict[str, Any], key: str, f: Any) -> str:
-    return " / ".join(f(v) for v in entry[key].values()) if entry.get(key) else "failed"
+def _per_stage(entry: dict[str, Any], key: str, f: str) -> str:
+    return " / ".join(f"{v:{f}}" for v in entry[key].values()) if entry.get(key) else "failed"
+
+
+def _rows(c: dict[str, Any], single: dict[int, Any]) -> tuple[list[Any], ...]:
+    """One configuration's row in each table: step time, bubble, memory, CPU."""
+    head, (hand, ds) = [c["p"], c["schedule"], c["m"]], (c[i] for i in IMPLS)
+    r = c["ratio_ds_over_hand"]
+    ratio = "n/a" if r is None else f"**{_cell(r, '.3f')}** {harness.verdict(r, at_most=TARGET)}"
+    # GPipe holds all m micro-batches, 1F1B at most p - stage
+    expected = " / ".join(str(c["m"] if c["schedule"] == "GPipe" else min(c["m"], c["p"] - i)) for i in range(c["p"]))
+    mb = " / ".join(f"{b / 2**20:.2f}" for b in ds["peak_bytes"].values()) if ds.get("peak_bytes") else "failed"
+    cpu = [hand.get("cpu_ms"), ds.get("cpu_ms")]
+    return (
+        [*head, _cell(single.get(c["m"], {}).get("step_ms")), _cell(hand["step_ms"]), _cell(ds["step_ms"]), ratio],
+        [*head, f"{c['bubble_formula']:.3f}", *(_cell(c[i].get("bubble"), ".3f") for i in IMPLS)],
+        [*head, mb, _per_stage(hand, "peak_units", ".2f"), _per_stage(ds, "peak_units", ".2f"), expected],
+        [*head, *map(_cell, cpu), f"{cpu[1]['median'] - cpu[0]['median']:+.1f}" if all(cpu) else "n/a"],
+    )
 
 
 def markdown(data: dict[str, Any]) -> list[str]:
     s, st = data["summary"], data["settings"]
-    meta, cpus, configs = s["meta"], data.get("cpus"), s["configs"]
-    single = {int(m): v for m, v in s["single"].items()}
+    meta, configs, single = s["meta"], s["configs"], {int(m): v for m, v in s["single"].items()}
     base = single[1]["step_ms"]
-
-    def head(c: dict[str, Any]) -> list[Any]:
-        return [c["p"], c["schedule"], c["m"]]
-
-    def ratio(c: dict[str, Any]) -> str:
-        r = c["ratio_ds_over_hand"]
-        return "n/a" if r is None else f"**{_cell(r, '.3f')}** {harness.verdict(r, at_most=TARGET)}"
-
-    def cpu_diff(c: dict[str, Any]) -> str:
-        hand, ds = c["hand"].get("cpu_ms"), c["ds"].get("cpu_ms")
-        return f"{ds['median'] - hand['median']:+.1f}" if hand and ds else "n/a"
-
-    def expected(c: dict[str, Any]) -> str:  # GPipe holds all m micro-batches, 1F1B at most p - stage
-        return " / ".join(str(c["m"] if c["schedule"] == "GPipe" else min(c["m"], c["p"] - i)) for i in range(c["p"]))
-
-    def units(entry: dict[str, Any]) -> str:
-        return _per_stage(entry, "peak_units", lambda u: f"{u:.2f}")
-
-    steps = [_cell(single.get(c["m"], {}).get("step_ms")) for c in configs]
-    step_rows = [
-        [*head(c), x, _cell(c["hand"]["step_ms"]), _cell(c["ds"]["step_ms"]), ratio(c)]
-        for c, x in zip(configs, steps, strict=True)
-    ]
-    bubble_rows = [
-        [*head(c), f"{c['bubble_formula']:.3f}", *(_cell(c[i].get("bubble"), ".3f") for i in IMPLS)] for c in configs
-    ]
-    mb = [_per_stage(c["ds"], "peak_bytes", lambda b: f"{b / 2**20:.2f}") for c in configs]
-    memory_rows = [
-        [*head(c), m, units(c["hand"]), units(c["ds"]), expected(c)] for c, m in zip(configs, mb, strict=True)
-    ]
-    cpu_rows = [[*head(c), _cell(c["hand"].get("cpu_ms")), _cell(c["ds"].get("cpu_ms")), cpu_diff(c)] for c in configs]
+    steps, bubbles, memory, cpu = (list(t) for t in zip(*(_rows(c, single) for c in configs), strict=True))
+    head = ["p", "schedule", "m"]
     lines = [
         f"Workload: **{meta['workload']}** ({meta['per_step']:,} {meta['unit']} per step); p CPU processes on"
-        f" {cpus} cores, {st['steps']} timed steps after {st['warmup']} warm-up, {st['repeats']} interleaved"
-        " repeat(s); median over repeats [min - max]. Method: [the README](../pipeline/README.md).",
+        f" {data.get('cpus')} cores, {st['steps']} timed steps after {st['warmup']} warm-up, {st['repeats']}"
+        " interleaved repeat(s); median over repeats [min - max]. Method: [the README](../pipeline/README.md).",
         "",
         f"Single process, whole batch: **{_cell(base, '.2f')} ms/step**,"
         f" {meta['per_step'] * 1000 / base['median']:,.0f} {meta['unit']}/s."
@@ -89,35 +76,31 @@ def markdown(data: dict[str, Any]) -> list[str]:
         "## Step time (ms)",
         "",
         *harness.markdown_table(
-            ["p", "schedule", "m", "single, m chunks", "hand-written loop", "ds_pipeline", f"ds / hand (<= {TARGET})"],
-            step_rows,
+            [*head, "single, m chunks", "hand-written loop", "ds_pipeline", f"ds / hand (<= {TARGET})"], steps
         ),
         "",
         "## Bubble: measured from spans vs (p-1)/(m+p-1)",
         "",
-        *harness.markdown_table(["p", "schedule", "m", "formula", "hand-written loop", "ds_pipeline"], bubble_rows),
+        *harness.markdown_table([*head, "formula", "hand-written loop", "ds_pipeline"], bubbles),
         "",
         "## Peak activation memory per stage",
         "",
         "Per stage (stage 0 / stage 1 / ...); units = one micro-batch's activations in that stage.",
         "",
         *harness.markdown_table(
-            ["p", "schedule", "m", "ds_pipeline: MB", "hand: units", "ds_pipeline: units", "expected units"],
-            memory_rows,
+            [*head, "ds_pipeline: MB", "hand: units", "ds_pipeline: units", "expected units"], memory
         ),
         "",
         "## CPU time per step, all ranks together",
         "",
         f"ms per step, summed over the ranks; single process, whole batch: {_cell(single[1].get('cpu_ms'))} ms.",
         "",
-        *harness.markdown_table(["p", "schedule", "m", "hand-written loop", "ds_pipeline", "ds - hand"], cpu_rows),
+        *harness.markdown_table([*head, "hand-written loop", "ds_pipeline", "ds - hand"], cpu),
     ]
+    where = [(f"p={c['p']} {c['schedule']} m={c['m']} {LABELS[i]}", c[i]) for c in configs for i in IMPLS]
     failures = [
-        f"- {where}: {v['failed_runs']} failed repeat(s): {'; '.join(dict.fromkeys(v['errors']))}"
-        for where, v in [
-            *((f"p={c['p']} {c['schedule']} m={c['m']} {LABELS[i]}", c[i]) for c in configs for i in IMPLS),
-            *((f"single process m={m}", v) for m, v in single.items()),
-        ]
+        f"- {w}: {v['failed_runs']} failed repeat(s): {'; '.join(dict.fromkeys(v['errors']))}"
+        for w, v in [*where, *((f"single process m={m}", v) for m, v in single.items())]
         if v["failed_runs"]
     ]
     return [*lines, *(["", "## Failures", "", *failures] if failures else [])]
@@ -138,16 +121,14 @@ def step_chart(data: dict[str, Any], path: Path) -> Path:
     single = {int(m): v["step_ms"] for m, v in s["single"].items()}
     for ax, p in zip(axes[0], procs, strict=True):
         for impl, schedule in ((i, sch) for sch in SCHEDULES for i in IMPLS):
-            points = [(c["m"], c[impl]["step_ms"]) for c in s["configs"] if c["p"] == p and c["schedule"] == schedule]
-            points = [(m, v) for m, v in points if v is not None]
-            if points:
+            points = [(c["m"], c[impl]["step_ms"]) for c in s["configs"] if (c["p"], c["schedule"]) == (p, schedule)]
+            if points := [(m, v) for m, v in points if v is not None]:
                 ms, med = [m for m, _ in points], [v["median"] for _, v in points]
                 err = [[v["median"] - v["min"] for _, v in points], [v["max"] - v["median"] for _, v in points]]
                 style = {"color": "tab:blue" if schedule == "GPipe" else "tab:orange", "capsize": 3}
                 style.update(marker="o" if impl == "hand" else "s", linestyle="-" if impl == "hand" else "--")
                 ax.errorbar(ms, med, yerr=err, label=f"{LABELS[impl]} {schedule}", **style)
-        chunks = [(m, v["median"]) for m, v in sorted(single.items()) if v is not None]
-        if chunks:
+        if chunks := [(m, v["median"]) for m, v in sorted(single.items()) if v is not None]:
             ax.plot([m for m, _ in chunks], [v for _, v in chunks], "k:", marker="^", label="single process, m chunks")
         if single[1] is not None:
             ax.axhline(single[1]["median"], color="grey", linewidth=0.8, label="single process, whole batch")
@@ -164,13 +145,10 @@ def step_chart(data: dict[str, Any], path: Path) -> Path:
 def write_traces(records: list[dict[str, Any]], m: int, out: Path, stem: str) -> list[Path]:
     """A Chrome trace and a PNG timeline per implementation and schedule, from the traced run at p=TRACE_P and m."""
     written = []
-    for impl in IMPLS:
-        for schedule in SCHEDULES:
-            run = traced_run(records, impl, schedule, m)
-            if run:
-                spans, base = SpanRecorder.from_payload(run["spans"]), out / f"{stem}_trace_{impl}_{schedule}"
-                write_chrome_trace(spans, base.with_suffix(".json"))
-                title = f"{LABELS[impl]} {schedule}, p={TRACE_P}, m={m}"
-                render_timeline_png(spans, base.with_suffix(".png"), title=title)
-                written += [base.with_suffix(".json"), base.with_suffix(".png")]
+    for impl, schedule in ((i, s) for i in IMPLS for s in SCHEDULES):
+        if run := traced_run(records, impl, schedule, m):
+            spans, base = SpanRecorder.from_payload(run["spans"]), out / f"{stem}_trace_{impl}_{schedule}"
+            write_chrome_trace(spans, base.with_suffix(".json"))
+            render_timeline_png(spans, base.with_suffix(".png"), title=f"{LABELS[impl]} {schedule}, p={TRACE_P}, m={m}")
+            written += [base.with_suffix(".json"), base.with_suffix(".png")]
     return written

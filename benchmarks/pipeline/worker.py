@@ -1,8 +1,5 @@
-"""One launch of the pipeline benchmark: every configuration of one (implementation, p) pair, see README.md.
-
-Each rank appends one JSON line per finished configuration to ``<out_dir>/rank<r>.jsonl``, so a crash or a hang loses
-only the configuration it happened in.
-"""
+"""One launch of the pipeline benchmark: every configuration of one (implementation, p) pair (README.md). Each rank
+appends a JSON line per finished configuration to ``<out_dir>/rank<r>.jsonl``: a crash loses only the one it was in."""
 
 from __future__ import annotations
 
@@ -100,7 +97,7 @@ def _gpt(workload: str, seed: int) -> Any:
 
 
 def gpt_workload(spec: dict[str, Any]) -> Any:
-    """The GPT and its text, built once per process (every configuration starts from a copy of the same weights)."""
+    """The GPT and its text, built once per process: every configuration copies the same weights."""
     return _gpt(json.dumps(spec["workload"], sort_keys=True), spec["seed"])
 
 
@@ -122,7 +119,7 @@ def make_data(spec: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def batches(spec: dict[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     x, y = make_data(spec)
-    return [(x[i : i + spec["batch"]], y[i : i + spec["batch"]]) for i in range(0, len(x), spec["batch"])]
+    return list(zip(x.split(spec["batch"]), y.split(spec["batch"]), strict=True))
 
 
 def loss_fn(spec: dict[str, Any]) -> Any:
@@ -134,8 +131,7 @@ def make_optimizer(spec: dict[str, Any], params: Any) -> torch.optim.Optimizer:
 
 
 def stage_balance(spec: dict[str, Any], stages: int) -> list[int]:
-    """Layers per stage: the blocks split equally; the GPT's embedding joins the first stage, its final norm and head
-    the last."""
+    """Layers per stage: blocks split equally; the GPT's embedding joins the first stage, its norm and head the last."""
     if not is_gpt(spec):
         return [DEPTH // stages] * stages
     per = (len(gpt_workload(spec).net) - 3) // stages  # the net: embedding, blocks, final norm, head
@@ -152,9 +148,7 @@ def sample_input(spec: dict[str, Any], stage: int, rows: int) -> torch.Tensor:
     """One micro-batch's input to ``stage``: token ids for the GPT's first stage, float activations after it."""
     if not is_gpt(spec):
         return torch.randn(rows, WIDTH, requires_grad=stage > 0)
-    from benchmarks.harness.workloads import GPT_DEFAULTS
-
-    shape = {**GPT_DEFAULTS, **spec["workload"]}
+    shape = spec["workload"]  # the driver's spec names every dimension
     if stage == 0:
         return torch.randint(0, 256, (rows, shape["block_size"]))
     return torch.randn(rows, shape["block_size"], shape["d_model"], requires_grad=True)
@@ -162,57 +156,56 @@ def sample_input(spec: dict[str, Any], stage: int, rows: int) -> torch.Tensor:
 
 def unit_bytes(spec: dict[str, Any], stage: int, stages: int, m: int) -> int:
     """Activation bytes one micro-batch (batch / m rows) leaves saved in one stage's blocks."""
-    blocks = stage_blocks(make_net(spec), stage, stages, spec)
     base = METER.live
     METER.reset_peak()
-    out = blocks(sample_input(spec, stage, spec["batch"] // m))
+    out = stage_blocks(make_net(spec), stage, stages, spec)(sample_input(spec, stage, spec["batch"] // m))
     measured = METER.peak - base
     del out
     METER.reset_peak()
     return measured
 
 
-def record(spec: dict[str, Any], rank: int, stages: int, cfg: dict[str, Any], ms: list[float], **extra: Any) -> None:
-    """One rank's line for one configuration: step times, its activation peak against one micro-batch's, CPU time per
+def record(spec: dict[str, Any], rank: int, cfg: dict[str, Any], ms: list[float], **extra: Any) -> None:
+    """One rank's line for one configuration: step times, its activation peak and one micro-batch's, and CPU time per
     step (every thread, gloo's too: with more processes than cores, the ranks' sum bounds the step from below)."""
     peak = METER.peak  # before unit_bytes, which measures a micro-batch with the same meter
     line = {"key": cfg["key"], "rank": rank, "step_ms": ms, "median_step_ms": statistics.median(ms) if ms else None}
-    line.update(peak_bytes={str(rank): peak}, unit_bytes={str(rank): unit_bytes(spec, rank, stages, cfg["m"])})
+    line.update(peak_bytes={str(rank): peak}, unit_bytes={str(rank): unit_bytes(spec, rank, spec["procs"], cfg["m"])})
     with (Path(spec["out_dir"]) / f"rank{rank}.jsonl").open("a") as f:
         f.write(json.dumps({**line, **extra}) + "\n")
 
 
-def timed_loop(spec: dict[str, Any], step: Any, begin: Any = None) -> tuple[list[float], float]:
-    """Warm-up, then the timed steps of ``step(i)`` (optimizer included): the times (ms) and CPU ms per timed step."""
-    times: list[float] = []
+def train(spec: dict[str, Any], data: list[Any], cfg: dict[str, Any], rank: int, net: nn.Module, run: Any,
+          trace: Any = None) -> None:  # fmt: skip
+    """Warm-up, then the timed steps of ``run(x, y)`` and the optimizer; one line with the times and the CPU ms per
+    timed step (the activation peak counts from the first timed step)."""
+    optimizer, times = make_optimizer(spec, net.parameters()), []
     for i in range(spec["warmup"] + spec["steps"]):
-        if begin:
-            begin(i)
+        if trace:
+            trace.begin_step(i)
         if i == spec["warmup"]:
             METER.reset_peak()
             cpu = time.process_time()
         start = time.perf_counter()
-        step(i)
+        run(*data[i % len(data)])
+        optimizer.step()
+        optimizer.zero_grad()
         if i >= spec["warmup"]:
             times.append(1000 * (time.perf_counter() - start))
-    return times, 1000 * (time.process_time() - cpu) / spec["steps"]
+    cpu_ms = 1000 * (time.process_time() - cpu) / spec["steps"]
+    record(spec, rank, cfg, times, cpu_ms=cpu_ms, **({"spans": trace.to_payload()} if trace else {}))
 
 
 def run_single(spec: dict[str, Any]) -> None:
     data, loss = batches(spec), loss_fn(spec)
     for cfg in spec["configs"]:
-        m, net = cfg["m"], make_net(spec)
-        optimizer = make_optimizer(spec, net.parameters())
+        net, m = make_net(spec), cfg["m"]
 
-        def step(i: int, net: nn.Module = net, m: int = m, optimizer: Any = optimizer) -> None:
-            x, y = data[i % len(data)]
+        def run(x: torch.Tensor, y: torch.Tensor, net: nn.Module = net, m: int = m) -> None:
             for xc, yc in zip(x.chunk(m), y.chunk(m), strict=True):  # m sequential chunks: no pipeline
                 (loss(net(xc), yc) / m).backward()
-            optimizer.step()
-            optimizer.zero_grad()
 
-        times, cpu_ms = timed_loop(spec, step)
-        record(spec, 0, 1, cfg, times, cpu_ms=cpu_ms)
+        train(spec, data, cfg, 0, net, run)
 
 
 def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
@@ -233,16 +226,11 @@ def _hand_rank(rank: int, spec: dict[str, Any]) -> None:
         stage = TracedStage(blocks, rank, p, torch.device("cpu"), recorder=recorder)
         kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[cfg["schedule"]]
         schedule = kind(stage, n_microbatches=cfg["m"], loss_fn=loss, scale_grads=True)
-        optimizer = make_optimizer(spec, blocks.parameters())
 
-        def step(i: int, schedule: Any = schedule, optimizer: Any = optimizer) -> None:
-            x, y = data[i % len(data)]
+        def run(x: torch.Tensor, y: torch.Tensor, schedule: Any = schedule) -> None:
             schedule.step(*([x] if rank == 0 else []), **({"target": y} if rank == p - 1 else {}))
-            optimizer.step()
-            optimizer.zero_grad()
 
-        times, cpu_ms = timed_loop(spec, step, recorder.begin_step)
-        record(spec, rank, p, cfg, times, spans=recorder.to_payload(), cpu_ms=cpu_ms)
+        train(spec, data, cfg, rank, blocks, run, recorder)
     leave(spec, rank, p)
 
 
@@ -255,12 +243,11 @@ def run_hand(spec: dict[str, Any]) -> None:
 def _spans_from_chrome(path: Path) -> list[list[Any]]:
     """Span payload tuples back from the strategy's Chrome trace (times relative to the first span)."""
     spans = []
-    for e in json.loads(path.read_text())["traceEvents"]:
-        if e.get("ph") == "X":
-            a, start = e["args"], round(e["ts"] * 1000)
-            spans.append(
-                [e["pid"], a["stage"], a["kind"], a["microbatch"], a["step"], start, start + round(e["dur"] * 1000)]
-            )
+    for e in (e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"):
+        a, start = e["args"], round(e["ts"] * 1000)
+        spans.append(
+            [e["pid"], a["stage"], a["kind"], a["microbatch"], a["step"], start, start + round(e["dur"] * 1000)]
+        )
     return spans
 
 
@@ -287,8 +274,8 @@ def run_ds(spec: dict[str, Any]) -> None:
             return make_optimizer(spec, self.parameters())
 
     class Timer(StepTimer):
-        """The harness's clock; the activation peak and the CPU clock start with the first timed step, and the CPU
-        clock stops after the last (Lightning's work between steps is inside)."""
+        """The harness's clock; the activation peak and CPU clock start with the first timed step (Lightning's work
+        between steps is inside the CPU time)."""
 
         cpu = 0.0
         cpu_ms: float | None = None
@@ -310,26 +297,21 @@ def run_ds(spec: dict[str, Any]) -> None:
         trace = Path(spec["out_dir"]) / "ds_traces" / f"{cfg['schedule']}_m{cfg['m']}.json"
         timer = Timer(spec["warmup"])
         strategy = ds_lightning.PipelineStrategy(
-            schedule=cfg["schedule"],
-            n_microbatches=cfg["m"],
-            balance=stage_balance(spec, p),
-            trace_path=str(trace),
-            trace_steps=spec["trace_steps"],
-            timeout=float(spec["dist_timeout"]),
-        )
+            schedule=cfg["schedule"], n_microbatches=cfg["m"], balance=stage_balance(spec, p), trace_path=str(trace),
+            trace_steps=spec["trace_steps"], timeout=float(spec["dist_timeout"]),
+        )  # fmt: skip
         steps = spec["warmup"] + spec["steps"]
         trainer = quiet_trainer(accelerator="cpu", devices=p, strategy=strategy, max_steps=steps, callbacks=[timer])
         trainer.fit(BenchModule(), DataLoader(TensorDataset(x, y), batch_size=spec["batch"], drop_last=True))
         rank = trainer.global_rank
         spans = _spans_from_chrome(trace) if rank == 0 and trace.exists() else []
-        record(spec, rank, p, cfg, timer.step_ms[spec["warmup"] :], spans=spans, cpu_ms=timer.cpu_ms)
+        record(spec, rank, cfg, timer.step_ms[spec["warmup"] :], spans=spans, cpu_ms=timer.cpu_ms)
     leave(spec, rank, p)
 
 
 def leave(spec: dict[str, Any], rank: int, ranks: int) -> None:
-    """Exit at once once every rank has written all its lines (rank 0 waits for them): the interpreter's and
-    Lightning's teardown measure nothing and took seconds per launch. It lives here, not in the harness: importing
-    ``benchmarks.harness`` loads Lightning, which the hand-written ranks never import."""
+    """Exit at once when every rank has written its lines (rank 0 waits): teardown measures nothing and took seconds.
+    Not in the harness: importing ``benchmarks.harness`` loads Lightning, which the hand-written ranks never import."""
     done = Path(spec["out_dir"]) / f"done{rank}"
     done.touch()
     deadline = time.monotonic() + spec["dist_timeout"]
@@ -341,11 +323,7 @@ def leave(spec: dict[str, Any], rank: int, ranks: int) -> None:
     os._exit(0)
 
 
-def main() -> None:
-    spec = json.loads(Path(sys.argv[1]).read_text())
-    torch.set_num_threads(1)
-    {"single": run_single, "hand": run_hand, "ds": run_ds}[spec["impl"]](spec)
-
-
 if __name__ == "__main__":
-    main()
+    torch.set_num_threads(1)
+    spec = json.loads(Path(sys.argv[1]).read_text())
+    {"single": run_single, "hand": run_hand, "ds": run_ds}[spec["impl"]](spec)

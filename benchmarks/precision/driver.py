@@ -1,8 +1,6 @@
 """Is MixedPrecision("auto") ever slower than fp32? And what do bf16 and fp16 do to step time and memory?
 
-The arms, the workloads, what is measured, the target and the options: README.md in this folder.
-
-    python -m benchmarks.precision.driver [--quick] [--model digits|gpt] [--repeats 3] [--out DIR] [--render [JSON]]
+Arms, workloads, what is measured, the target and the options: README.md in this folder.
 """
 
 from __future__ import annotations
@@ -11,38 +9,34 @@ import argparse
 import contextlib
 import os
 import platform
-import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, Panel, fmt
 from benchmarks.harness import workloads as _workloads
 
 WORKER = Path(__file__).resolve().parent / "worker.py"
-LR = 0.05
-HIDDEN = [1024, 1024]
-BASE = "fp32"
+LR, HIDDEN, BASE = 0.05, [1024, 1024], "fp32"
 CONFIGS = ("fp32", "auto", "bf16", "fp16")
 CPU_CONFIGS = ("fp32", "auto", "bf16")  # fp16 on a CPU without native fp16: 10-20x fp32, minutes per launch
-LABELS = {
-    "fp32": "fp32 (no callback)",
-    "bf16": 'MixedPrecision("bf16")',
-    "fp16": 'MixedPrecision("fp16")',
-    "auto": 'MixedPrecision("auto")',
-}
+LABELS = {"fp32": "fp32 (no callback)", **{c: f'MixedPrecision("{c}")' for c in ("bf16", "fp16", "auto")}}
 COLORS = {"fp32": "tab:gray", "bf16": "tab:blue", "fp16": "tab:orange", "auto": "tab:green"}
 KEYS = ("step_ms", "throughput", "peak_mb", "activation_mb", "weight_copy_mb", "saved_mb", "final_loss", "probe_s")
 AUTO_TARGET = 1.10  # auto's step time / fp32's, per launch: never slower than fp32 by more than 10%
 MB = 1024**2
+#: the table's figures after the arm and its precision
 COLUMNS = [("step_ms", ".1f"), ("step_ms_ratio", ".2f"), ("throughput", ".0f"), ("peak_mb", ".1f")]
 COLUMNS += [("peak_mb_ratio", ".2f"), ("activation_mb", ".2f"), ("activation_mb_ratio", ".2f")]
-COLUMNS += [("weight_copy_mb", ".2f"), ("final_loss", ".3f")]  # the table's figures after the arm and its precision
+COLUMNS += [("weight_copy_mb", ".2f"), ("final_loss", ".3f")]
 #: steps, warm-up and batch left unset: a full run, then --quick (the GPT's steps are slow under bf16 on a CPU)
 FULL = {"digits": {"steps": 10, "warmup": 3, "batch_size": 256}, "gpt": {"steps": 6, "warmup": 2, "batch_size": 8}}
 QUICK = {m: {"steps": 3, "warmup": 1} for m in FULL}
+TRAINED = {
+    "gpt": "the demo `GPT` (AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1)",
+    "digits": f"DigitsClassifier 64-{'-'.join(map(str, HIDDEN))}-10 (SGD lr {LR} momentum 0.9)",
+}
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile")
 
 
 def cpu_info() -> dict[str, Any]:
@@ -52,8 +46,7 @@ def cpu_info() -> dict[str, Any]:
     with contextlib.suppress(OSError):
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         flags = next((set(ln.split(":", 1)[1].split()) for ln in lines if ln.startswith("flags")), set())
-        wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_tile")
-        info["flags"] = [f for f in wanted if f in flags]
+        info["flags"] = [f for f in CPU_FLAGS if f in flags]
     return info
 
 
@@ -62,6 +55,16 @@ def verdict(ratio: dict[str, Any] | None, target: float) -> str:
     if ratio is None:
         return "not measured"
     return "met" if ratio["max"] <= target else "missed" if ratio["min"] > target else "within noise"
+
+
+def block_of(data: dict[str, Any]) -> int:
+    """Tokens per sample: the GPT's context, 1 for the digits."""
+    return int(data["workload"].get("block_size", 1))
+
+
+def tokens(data: dict[str, Any], sep: str) -> str:
+    """The GPT's window size after the batch (``sep`` joins them), nothing for the digits."""
+    return f"{sep}{block_of(data)} tokens" if data["workload"]["model"] == "gpt" else ""
 
 
 class Precision(harness.Benchmark):
@@ -88,17 +91,10 @@ class Precision(harness.Benchmark):
             opts.accelerator = "cuda" if torch.cuda.is_available() else "cpu"
         cuda = opts.accelerator == "cuda"
         opts.configs = opts.configs or list(CONFIGS if cuda else CPU_CONFIGS)
-        return {
-            "workload": workload,
-            "workload_label": _workloads.label(workload, HIDDEN),
-            "accelerator_used": opts.accelerator,
-            "torch": torch.__version__,
-            "cpu": cpu_info(),
-            "cuda_device": torch.cuda.get_device_name(0) if cuda else None,
-            "memory_measure": "cuda max_memory_allocated during fit"
-            if cuda
-            else "peak RSS growth over fit (ru_maxrss)",
-        }
+        memory = "cuda max_memory_allocated during fit" if cuda else "peak RSS growth over fit (ru_maxrss)"
+        meta = {"workload": workload, "workload_label": _workloads.label(workload, HIDDEN)}
+        meta.update(accelerator_used=opts.accelerator, torch=torch.__version__, cpu=cpu_info())
+        return {**meta, "cuda_device": torch.cuda.get_device_name(0) if cuda else None, "memory_measure": memory}
 
     def experiment(self, opts: argparse.Namespace) -> Experiment:
         names = list(dict.fromkeys([BASE, *opts.configs]))  # every ratio is against fp32
@@ -110,20 +106,12 @@ class Precision(harness.Benchmark):
         spec["workload"] = _workloads.spec_of(opts)
         found, _, _ = harness.launch(WORKER, spec, opts.timeout, harness.worker_env(opts.threads, rendezvous=False))
         r = found["result"]
-        activation, copies = max(r["activation_bytes"]) / MB, max(r["weight_copy_bytes"]) / MB
-        return {
-            "rc": found["rc"],
-            "chosen": r["chosen"],
-            "decision": r.get("decision"),
-            "probe_s": r.get("probe_seconds"),
-            "step_ms": r["median_step_ms"],
-            "peak_mb": r.get("cuda_peak_allocated_bytes", r["peak_rss_delta_bytes"]) / MB,
-            "peak_rss_after_mb": r["peak_rss_after_bytes"] / MB,
-            "activation_mb": activation,
-            "weight_copy_mb": copies,
-            "saved_mb": activation + copies,
-            "final_loss": r["loss"][-1],
-        }
+        act, copies = max(r["activation_bytes"]) / MB, max(r["weight_copy_bytes"]) / MB
+        peak = r.get("cuda_peak_allocated_bytes", r["peak_rss_delta_bytes"]) / MB
+        out = {"rc": found["rc"], "chosen": r["chosen"], "decision": r.get("decision")}
+        out.update(probe_s=r.get("probe_seconds"), step_ms=r["median_step_ms"], peak_mb=peak)
+        out.update(peak_rss_after_mb=r["peak_rss_after_bytes"] / MB, activation_mb=act, weight_copy_mb=copies)
+        return {**out, "saved_mb": act + copies, "final_loss": r["loss"][-1]}
 
     def progress(self, r: dict[str, Any]) -> str:
         why = f"; {r['decision']['reason']}" if r.get("decision") else ""
@@ -152,13 +140,14 @@ class Precision(harness.Benchmark):
 
     def report(self, data: dict[str, Any]) -> list[str]:
         s, cpu, st = data["summary"], data["cpu"], data["settings"]
-        unit = unit_of(data)
+        gpt = data["workload"]["model"] == "gpt"
         if data["accelerator_used"] == "cuda":
             device, memory = f"CUDA ({data.get('cuda_device') or 'GPU'})", "CUDA max_memory_allocated"
         else:
             flags = ", ".join(cpu.get("flags", [])) or "none of note"
             device = f"CPU ({cpu.get('model', 'unknown')}, {st['threads']} torch thread(s); flags: {flags})"
             memory = "peak RSS growth over fit"
+        trained = TRAINED["gpt" if gpt else "digits"]
         rows = [
             [
                 data["arms"][n] + (f" ({s[n]['failed_runs']} failed)" if s[n]["failed_runs"] else ""),
@@ -167,29 +156,25 @@ class Precision(harness.Benchmark):
             ]
             for n in data["arms"]
         ]
-        head = ["configuration", "trained in", "step (ms)", "vs fp32", f"{unit}/s", "peak memory (MB)", "vs fp32"]
-        head += ["activations saved (MB)", "vs fp32", "weight copies saved (MB)", "final train loss"]
-        headline = self.headline(data)
+        head = ["configuration", "trained in", "step (ms)", "vs fp32", f"{'tokens' if gpt else 'samples'}/s"]
+        head += ["peak memory (MB)", "vs fp32", "activations saved (MB)", "vs fp32", "weight copies saved (MB)"]
         return [
             f"# fp32 against MixedPrecision on the {data['workload_label']}",
             "",
-            f"One process on {device}, {trained(data)}, batch {st['batch_size']}"
-            f"{f' windows of {block_of(data)} tokens' if unit == 'tokens' else ''}, {st['warmup']} warm-up +"
-            f" {st['steps']} timed steps per run, {st['repeats']} interleaved launch(es) per arm, every run a fresh"
-            " process.",
+            f"One process on {device}, {trained}, batch {st['batch_size']}{tokens(data, ' windows of ')},"
+            f" {st['warmup']} warm-up + {st['steps']} timed steps per run, {st['repeats']} interleaved launch(es) per"
+            " arm, every run a fresh process.",
             f"Peak memory: {memory}. Median [min - max] over launches; ratios per launch against that launch's"
             " fp32 run. Method: [the README](../precision/README.md).",
             "",
-            *harness.markdown_table(head, rows),
-            *(["", f"**{headline}**"] if headline else []),
+            *harness.markdown_table([*head, "final train loss"], rows),
+            *self.headline(data["summary"].get("auto", {})),
         ]
 
-    def headline(self, data: dict[str, Any]) -> str | None:
+    def headline(self, auto: dict[str, Any]) -> list[str]:
         """auto's step time against fp32's (paired per launch), the verdict, and what its measuring cost."""
-        auto = data["summary"].get("auto", {})
-        ratio = auto.get("step_ms_ratio")
-        if ratio is None:
-            return None
+        if (ratio := auto.get("step_ms_ratio")) is None:
+            return []
         chosen = auto["chosen_per_launch"]
         picks = ", ".join(f"{c} {chosen.count(c)}x" for c in dict.fromkeys(chosen))
         line = (
@@ -200,39 +185,24 @@ class Precision(harness.Benchmark):
             line += f"; its measuring took {fmt(auto['probe_s'], '.2f')} s once"
             if auto.get("probe_in_fp32_steps"):
                 line += f", {auto['probe_in_fp32_steps']:.0f} fp32 steps"
-        return line
+        return ["", f"**{line}**"]
 
     def plot(self, data: dict[str, Any], out: Path) -> list[Path]:
         memory = "CUDA allocated" if data["accelerator_used"] == "cuda" else "RSS growth over fit"
+        unit = "tokens" if data["workload"]["model"] == "gpt" else "samples"
         panels = [
             Panel("step_ms", "median step time (ms)", "step_ms_ratio"),
-            Panel("throughput", f"{unit_of(data)} per second", "throughput_ratio"),
+            Panel("throughput", f"{unit} per second", "throughput_ratio"),
             Panel("peak_mb", f"peak memory (MB): {memory}", "peak_mb_ratio"),
             Panel("saved_mb", "saved for backward per step (MB; label: activations)", "activation_mb_ratio"),
         ]
         title = (
             f"fp32 vs mixed precision, {data['workload_label']}, batch {data['settings']['batch_size']}"
-            f"{f' x {block_of(data)} tokens' if unit_of(data) == 'tokens' else ''},"
-            f" {data['accelerator_used']} (median, min-max over launches; labels: ratio to fp32)"
+            f"{tokens(data, ' x ')}, {data['accelerator_used']} (median, min-max over launches; labels: ratio to fp32)"
         )
         path = out / f"{self.file_stem(data['settings'])}.png"
         harness.bar_panels(path, {a: data["summary"][a] for a in data["arms"]}, panels, title, COLORS)
         return [path]
-
-
-def unit_of(data: dict[str, Any]) -> str:
-    return "tokens" if data["workload"]["model"] == "gpt" else "samples"
-
-
-def block_of(data: dict[str, Any]) -> int:
-    return int(data["workload"].get("block_size", 1))
-
-
-def trained(data: dict[str, Any]) -> str:
-    """The module and optimizer that trained."""
-    if unit_of(data) == "tokens":
-        return "the demo `GPT` (AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1)"
-    return f"DigitsClassifier 64-{'-'.join(map(str, HIDDEN))}-10 (SGD lr {LR} momentum 0.9)"
 
 
 if __name__ == "__main__":

@@ -7,22 +7,22 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.harness import RESULTS
+from benchmarks.harness import RESULTS, markdown_table, write_markdown
 from ds_lightning.demos import GPT
 
 PRECISIONS = ("fp32", "bf16")
 
 
-def _profile(model: GPT, optimizer: torch.optim.Optimizer, bf16: bool, steps: int) -> dict[str, float]:
-    """Self CPU milliseconds per step, by op."""
+def _profile(bf16: bool, steps: int) -> dict[str, float]:
+    """Self CPU milliseconds per step, by op, of a fresh GPT after 3 warm-up steps."""
+    torch.manual_seed(0)
+    model = GPT()
+    optimizer = model.configure_optimizers()
     x = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(0))
     y = torch.randint(0, 256, (8, 128), generator=torch.Generator().manual_seed(1))
 
@@ -52,15 +52,16 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in PRECISIONS}
     for _ in range(opts.repeats):  # interleaved: fp32, bf16, fp32, bf16, ...
         for precision in PRECISIONS:
-            torch.manual_seed(0)
-            model = GPT()
-            optimizer = model.configure_optimizers()
-            runs[precision].append(_profile(model, optimizer, precision == "bf16", opts.steps))
+            runs[precision].append(_profile(precision == "bf16", opts.steps))
     ops = sorted({op for rs in runs.values() for r in rs for op in r})
     median = {p: {op: statistics.median(r.get(op, 0.0) for r in runs[p]) for op in ops} for p in PRECISIONS}
     top = sorted(ops, key=lambda op: -max(median[p][op] for p in PRECISIONS))[: opts.top]
-    total = {p: statistics.median(sum(r.values()) for r in runs[p]) for p in PRECISIONS}
-    lines = [
+    rows = []
+    for op in top:
+        a, b = median["fp32"][op], median["bf16"][op]
+        rows.append([f"`{op}`", f"{a:.2f}", f"{b:.2f}", f"{b - a:+.2f}"])
+    a, b = (statistics.median(sum(r.values()) for r in runs[p]) for p in PRECISIONS)
+    head = [
         "# Where a GPT step's CPU time goes: fp32 against bf16 autocast",
         "",
         f"`benchmarks/precision/ops.py`: one process, 1 thread, {torch.__version__}, the demo GPT (0.9M parameters),"
@@ -68,19 +69,11 @@ def main() -> None:
         " interleaved repeats; self CPU time per step (torch.profiler, which adds its own overhead to every op),"
         " median over repeats.",
         "",
-        "| op | fp32 (ms/step) | bf16 (ms/step) | bf16 - fp32 |",
-        "|---|---|---|---|",
     ]
-    for op in top:
-        a, b = median["fp32"][op], median["bf16"][op]
-        lines.append(f"| `{op}` | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
-    a, b = total["fp32"], total["bf16"]
-    lines.append(f"| **every op** | **{a:.1f}** | **{b:.1f}** | **{b - a:+.1f}** |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    opts.out.mkdir(parents=True, exist_ok=True)
-    (opts.out / "precision_gpt_ops.md").write_text(text)
-    print(f"wrote {opts.out / 'precision_gpt_ops.md'}")
+    table = markdown_table(["op", "fp32 (ms/step)", "bf16 (ms/step)", "bf16 - fp32"], rows)
+    path = opts.out / "precision_gpt_ops.md"
+    write_markdown(path, [*head, *table, f"| **every op** | **{a:.1f}** | **{b:.1f}** | **{b - a:+.1f}** |"])
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,5 @@
-"""One precision-benchmark run: the spec's workload in one process, in fp32 or under ``MixedPrecision``.
-
-Started by ``driver.py`` with a JSON spec, a fresh process per run so that the peak RSS is this run's alone; writes
-``result.json`` (step times and losses, peak memory, bytes saved for backward, auto's decision: README.md).
-"""
+"""One precision-benchmark run in a fresh process (so the peak RSS is this run's alone), in fp32 or under
+``MixedPrecision``; writes ``result.json``. What it measures: README.md."""
 
 from __future__ import annotations
 
@@ -14,10 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from torch.utils.data import DataLoader, Dataset
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from torch.utils.data import DataLoader
 
 from benchmarks.harness import workloads as _workloads
 from benchmarks.harness.timing import StepTimer
@@ -25,14 +19,13 @@ from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.callbacks import MixedPrecision
 from ds_lightning.demos import GPT, DigitsClassifier, DigitsDataModule
 
+_VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0", "AliasBackward0"}
+
 
 def peak_rss_bytes() -> int:
     """The process's peak resident set size so far (Linux reports KiB, macOS bytes)."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak) if sys.platform == "darwin" else int(peak) * 1024
-
-
-_VIEWS = {"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0", "ExpandBackward0", "AliasBackward0"}
 
 
 def is_weight_copy(tensor: torch.Tensor) -> bool:
@@ -52,10 +45,7 @@ def is_weight_copy(tensor: torch.Tensor) -> bool:
 
 class SavedBytesCounter(pl.LightningModule):
     """Counts the bytes a ``training_step`` saves for backward (each storage once); mixed in before the model class.
-
-    Parameters are left out (fp32 keeps them anyway); autocast's low-precision copies of the weights, which fp32 does
-    not need, are counted apart from the activations.
-    """
+    Parameters are left out (fp32 keeps them anyway); autocast's weight copies are counted apart from activations."""
 
     activation_bytes: list[int]
     weight_copy_bytes: list[int]
@@ -92,43 +82,35 @@ class CountingGPT(SavedBytesCounter, GPT):
     pass
 
 
-def model_and_data(spec: dict[str, Any]) -> tuple[SavedBytesCounter, Dataset]:
-    workload = spec["workload"]
-    if workload["model"] == "digits":
-        data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
-        data.setup("fit")
-        assert data.train_set is not None
-        return CountingClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"]), data.train_set
-    train_set = _workloads.build(workload).train_set
-    torch.manual_seed(0)  # every arm starts from the same parameters
-    shape = {k: v for k, v in workload.items() if k in _workloads.GPT_DEFAULTS}
-    return CountingGPT(**shape), train_set
-
-
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     torch.set_num_threads(spec["threads"])
     pl.seed_everything(0, verbose=False)
-    cuda = spec["accelerator"] == "cuda"
-    model, train_set = model_and_data(spec)
+    model: SavedBytesCounter
+    if spec["workload"]["model"] == "digits":
+        data = DigitsDataModule(batch_size=spec["batch_size"], seed=0)
+        data.setup("fit")
+        model, train_set = CountingClassifier(hidden_sizes=spec["hidden"], lr=spec["lr"]), data.train_set
+    else:
+        train_set = _workloads.build(spec["workload"]).train_set
+        torch.manual_seed(0)  # every arm starts from the same parameters
+        model = CountingGPT(**{k: v for k, v in spec["workload"].items() if k in _workloads.GPT_DEFAULTS})
     loader = DataLoader(train_set, batch_size=spec["batch_size"], shuffle=True, drop_last=True)
     model.activation_bytes, model.weight_copy_bytes = [], []
     timer = StepTimer(warmup=spec["warmup"])
-    callbacks: list[Callback] = [timer]
-    if spec["precision"] != "fp32":
-        callbacks.append(MixedPrecision(spec["precision"]))
+    amp = MixedPrecision(spec["precision"]) if spec["precision"] != "fp32" else None
     trainer = quiet_trainer(
         accelerator=spec["accelerator"],
         devices=1,
         max_steps=spec["warmup"] + spec["steps"],
-        callbacks=callbacks,
+        callbacks=[timer] if amp is None else [timer, amp],
     )
+    cuda = spec["accelerator"] == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     rss_before = peak_rss_bytes()
     trainer.fit(model, train_dataloaders=loader)
     rss_after = peak_rss_bytes()
-    amp = next((c for c in callbacks if isinstance(c, MixedPrecision)), None)
     out: dict[str, Any] = {
         **timer.reading(),
         "chosen": amp.chosen if amp is not None else "fp32",

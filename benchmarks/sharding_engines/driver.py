@@ -20,12 +20,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks import harness
 from benchmarks.harness import Arm, Experiment, Panel, fmt
 from benchmarks.sharding_engines import common
-from benchmarks.sharding_engines.common import BYTES_TARGET, PARITY_ATOL, STATE_TARGETS, STEP_TARGET
+from benchmarks.sharding_engines.common import PARITY_ATOL
 
-WORKER = Path(__file__).resolve().parent / "worker.py"
 ENGINES = ("ddp", "zero", "fsdp")
+SHARDED = ("zero", "fsdp")
 SUMMARY_KEYS = ["step_ms", "state_mb_max", "sent_mb_max", "ring_mb_max", "allreduce_mb", "broadcast_mb"]
 SUMMARY_KEYS += ["allgather_mb", "reducescatter_mb", "rss_mb_max", "parity_max_abs"]
+MB_COLUMNS = ("allreduce_mb", "broadcast_mb", "allgather_mb", "reducescatter_mb", "sent_mb_max", "ring_mb_max")
+COLUMNS = ["arm", "optimizer state per rank (MB, rank 0 / 1 / ...)", "step (ms)", "all-reduce (MB)", "broadcast (MB)"]
+COLUMNS += ["all-gather (MB)", "reduce-scatter (MB)", "payload handed (MB/step, largest rank)"]
+COLUMNS += ["ring model (MB/step, largest rank)", "parity: max abs diff from ddp"]
+INTRO = (
+    "Plain torch training loops (no Lightning) on {procs} CPU processes (gloo, 1 thread each): `ddp`"
+    " (DistributedDataParallel, the whole optimizer on every rank), `zero` (DistributedDataParallel and torch's"
+    " `ZeroRedundancyOptimizer`, wrapped as `ds_lightning.sharding` wraps it) and `fsdp` (FSDP2"
+    " `fully_shard(reshard_after_forward=False)` on every transformer block or linear layer, then on the root);"
+)
+QUICK = (
+    "**A `--quick` smoke run** (1 repeat, a few steps): the bytes and the optimizer state are what a full run gives"
+    " (they do not depend on the machine's load), the parity is after these few steps only, and the step times are"
+    " not a measurement."
+)
+NOTES = [
+    "- Optimizer state: every state tensor the rank's optimizer holds after the last step (FSDP2's DTensors by their"
+    " local shard, ZeRO's for the parameters the rank owns).",
+    "- Bytes are **counted from the collectives' payloads, not measured on a wire**, per rank per step (the columns:"
+    " the largest rank's parts). 'Payload handed' sums the collectives' inputs, the 'ring model' what a ring sends;"
+    " both are judged, the ring model compares wire traffic. How each is counted:"
+    " [the README](../sharding_engines/README.md).",
+    "- Parity: the final parameters (FSDP2's gathered) against the `ddp` run of the same repeat and process count, same"
+    " seed and batches; the largest absolute difference over the repeats.",
+]
 
 
 def arm_name(engine: str, procs: int) -> str:
@@ -44,57 +69,18 @@ def parity(records: list[dict[str, Any]], params: Mapping[tuple[str, int], torch
         r["parity_max_abs"] = None if missing else float((mine - base).abs().max())
 
 
-def targets(summary: Mapping[str, Any], procs: list[int]) -> list[dict[str, Any]]:
-    """Every target's ratio (engine / ddp per repeat) and verdict, per engine and process count."""
-    out = []
-    for n in procs:
-        for engine in ("zero", "fsdp"):
-            checks = (
-                ("optimizer-state bytes, largest rank", "state_mb_max", STATE_TARGETS.get(n)),
-                ("step time (rank 0's median)", "step_ms", STEP_TARGET),
-                ("payload handed to collectives, largest rank", "sent_mb_max", BYTES_TARGET),
-                ("payload bytes under a ring model, largest rank", "ring_mb_max", BYTES_TARGET),
-            )
-            out += [{"engine": engine, **t} for t in common.judged(summary.get(arm_name(engine, n), {}), n, checks)]
-    return out
-
-
-def parity_verdicts(summary: Mapping[str, Any], procs: list[int]) -> list[dict[str, Any]]:
+def parity_verdict(summary: Mapping[str, Any], engine: str, n: int) -> dict[str, Any]:
     """Every run's final parameters within ``PARITY_ATOL`` of its ``ddp`` run's (the figure: per run, over repeats)."""
-    out = []
-    for n in procs:
-        for engine in ("zero", "fsdp"):
-            diff = summary.get(arm_name(engine, n), {}).get("parity_max_abs")
-            what = f"{engine}: final parameters, largest difference from ddp's, {n} processes"
-            holds = diff["max"] <= PARITY_ATOL if diff else None
-            out.append(harness.judged(what, diff, at_most=PARITY_ATOL, spec="g", holds=holds))
-    return out
-
-
-COLUMNS = ["arm", "optimizer state per rank (MB, rank 0 / 1 / ...)", "step (ms)", "all-reduce (MB)", "broadcast (MB)"]
-COLUMNS += ["all-gather (MB)", "reduce-scatter (MB)", "payload handed (MB/step, largest rank)"]
-COLUMNS += ["ring model (MB/step, largest rank)", "parity: max abs diff from ddp"]
-QUICK = (
-    "**A `--quick` smoke run** (1 repeat, a few steps): the bytes and the optimizer state are what a full run gives"
-    " (they do not depend on the machine's load), the parity is after these few steps only, and the step times are"
-    " not a measurement."
-)
-NOTES = [
-    "- Optimizer state: every state tensor the rank's optimizer holds after the last step (FSDP2's DTensors by their"
-    " local shard, ZeRO's for the parameters the rank owns).",
-    "- Bytes are **counted from the collectives' payloads, not measured on a wire**, per rank per step (the columns:"
-    " the largest rank's parts). 'Payload handed' sums the collectives' inputs, the 'ring model' what a ring sends;"
-    " both are judged, the ring model compares wire traffic. How each is counted:"
-    " [the README](../sharding_engines/README.md).",
-    "- Parity: the final parameters (FSDP2's gathered) against the `ddp` run of the same repeat and process count, same"
-    " seed and batches; the largest absolute difference over the repeats.",
-]
+    diff = summary.get(arm_name(engine, n), {}).get("parity_max_abs")
+    what = f"{engine}: final parameters, largest difference from ddp's, {n} processes"
+    holds = diff["max"] <= PARITY_ATOL if diff else None
+    return harness.judged(what, diff, at_most=PARITY_ATOL, spec="g", holds=holds)
 
 
 class ShardingEngines(common.ShardingBenchmark):
     name = "sharding_engines"
     description = __doc__
-    worker = WORKER
+    worker = Path(__file__).resolve().parent / "worker.py"
     title = "Sharding engines"
     summary_keys = SUMMARY_KEYS
     ratio_keys = ("step_ms", "state_mb_max", "sent_mb_max", "ring_mb_max")
@@ -106,10 +92,8 @@ class ShardingEngines(common.ShardingBenchmark):
         return Experiment(arms, opts.repeats)
 
     def spec(self, arm: Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
-        return {
-            **super().spec(arm, repeat, opts),
-            "params_path": str(Path(self._params_dir, f"{arm.name}_r{repeat}.pt")),
-        }
+        path = Path(self._params_dir, f"{arm.name}_r{repeat}.pt")
+        return {**super().spec(arm, repeat, opts), "params_path": str(path)}
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
         # The final parameters stay on disk until every run is done: parity compares runs of the same repeat.
@@ -122,44 +106,32 @@ class ShardingEngines(common.ShardingBenchmark):
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
         procs = data["settings"]["procs"]
-        pairs = [(arm_name(e, n), arm_name("ddp", n)) for n in procs for e in ("zero", "fsdp")]
-        s = self.spreads(data, pairs)
-        s["targets"] = targets(s, procs)
-        s["verdicts"] = [*common.verdicts(s["targets"]), *parity_verdicts(s, procs)]
+        s = self.spreads(data, [(arm_name(e, n), arm_name("ddp", n)) for n in procs for e in SHARDED])
+        s["targets"] = [
+            {"engine": e, **t}
+            for n in procs
+            for e in SHARDED
+            for t in common.judged(s.get(arm_name(e, n), {}), n, common.checks(n))
+        ]
+        parities = [parity_verdict(s, e, n) for n in procs for e in SHARDED]
+        s["verdicts"] = [*common.verdicts(s["targets"]), *parities]
         return s
 
     def report(self, data: dict[str, Any]) -> list[str]:
         s, st = data["summary"], data["settings"]
         rows = []
         for arm, title in data["arms"].items():
-            v = s[arm]
-            diff = v["parity_max_abs"]
+            v, diff = s[arm], s[arm]["parity_max_abs"]
             parity_cell = "(reference)" if arm.startswith("ddp_") else "-" if diff is None else f"{diff['max']:.1e}"
-            mb = ("allreduce_mb", "broadcast_mb", "allgather_mb", "reducescatter_mb", "sent_mb_max", "ring_mb_max")
-            rows.append(
-                [title, common.rank_state(v["first"]), fmt(v["step_ms"], ".2f"), *(fmt(v[k], ".3f") for k in mb)]
-            )
-            rows[-1].append(parity_cell)
+            cells = [fmt(v["step_ms"], ".2f"), *(fmt(v[k], ".3f") for k in MB_COLUMNS), parity_cell]
+            rows.append([title, common.rank_state(v["first"]), *cells])
         target_rows = [[t["engine"], t["what"], t["procs"], *common.target_cells(t)] for t in s["targets"]]
-        return [
-            f"# Sharding engines on the {data['workload_label']}",
-            "",
-            "Plain torch training loops (no Lightning) on"
-            f" {' and '.join(str(n) for n in st['procs'])} CPU processes (gloo, 1 thread each):"
-            " `ddp` (DistributedDataParallel, the whole optimizer on every rank), `zero` (DistributedDataParallel and"
-            " torch's `ZeroRedundancyOptimizer`, wrapped as `ds_lightning.sharding` wraps it) and `fsdp` (FSDP2"
-            " `fully_shard(reshard_after_forward=False)` on every transformer block or linear layer, then on the root);"
-            + common.setup_line(data)
-            + " Median [min - max] over repeats; each ratio is engine / `ddp` of the same process count and repeat.",
-            *(["", QUICK] if st.get("quick") else []),
-            "",
-            *harness.markdown_table(COLUMNS, rows),
-            "",
-            *harness.markdown_table(["engine", "target", "processes", "engine / ddp", "limit", "verdict"], target_rows),
-            "",
-            *NOTES,
-            *common.failed(data),
+        tables = [
+            *([[QUICK]] if st.get("quick") else []),
+            harness.markdown_table(COLUMNS, rows),
+            harness.markdown_table(["engine", "target", "processes", "engine / ddp", "limit", "verdict"], target_rows),
         ]
+        return self.page(data, INTRO, "engine / `ddp`", tables, NOTES)
 
 
 if __name__ == "__main__":

@@ -13,16 +13,7 @@ from benchmarks.harness import Arm, Experiment, Panel
 
 
 def test_interleave_alternates_arms_and_varies_each_rounds_order():
-    assert harness.interleave(["A", "B"], 4) == [
-        (0, "A"),
-        (0, "B"),
-        (1, "B"),
-        (1, "A"),
-        (2, "B"),
-        (2, "A"),
-        (3, "A"),
-        (3, "B"),
-    ]
+    assert harness.interleave(["A", "B"], 4) == [(i // 2, n) for i, n in enumerate("ABBABAAB")]
     assert [n for _, n in harness.interleave(["A", "B", "C"], 3)] == list("ABCCBABCA")
     assert [n for _, n in harness.interleave(["A", "B"], 2, rotate=False)] == list("ABAB")
 
@@ -142,16 +133,11 @@ def test_spread_median_range_and_quartiles():
 
 
 def _records() -> list[dict[str, Any]]:
+    ms = {"fp32": (10.0, 12.0, 11.0), "bf16": (8.0, 20.0, None), "auto": (8.8, 13.2, 11.0)}  # bf16's repeat 2 failed
     return [
-        {"arm": "fp32", "repeat": 0, "ms": 10.0},
-        {"arm": "bf16", "repeat": 0, "ms": 8.0},
-        {"arm": "auto", "repeat": 0, "ms": 8.8},
-        {"arm": "fp32", "repeat": 1, "ms": 12.0},
-        {"arm": "bf16", "repeat": 1, "ms": 20.0},
-        {"arm": "auto", "repeat": 1, "ms": 13.2},
-        {"arm": "fp32", "repeat": 2, "ms": 11.0},
-        {"arm": "bf16", "repeat": 2, "error": "exit code 1"},
-        {"arm": "auto", "repeat": 2, "ms": 11.0},
+        {"arm": arm, "repeat": r, **({"ms": v[r]} if v[r] is not None else {"error": "exit code 1"})}
+        for r in range(3)
+        for arm, v in ms.items()
     ]
 
 
