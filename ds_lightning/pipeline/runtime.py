@@ -19,7 +19,7 @@ from ds_lightning.pipeline import microbatch
 from ds_lightning.pipeline.layout import PipelineLayout
 from ds_lightning.pipeline.mesh import PipelineGroups
 from ds_lightning.pipeline.schedules import ScheduleSpec, make_forward_only
-from ds_lightning.pipeline.stage import TracedStage
+from ds_lightning.pipeline.stage import TracedStage, _RecordedChunks
 from ds_lightning.pipeline.trace import SpanRecorder, render_timeline_png, write_chrome_trace
 
 __all__ = ["PipelineRuntime", "StageFactory", "TiedWeight", "write_trace"]
@@ -36,8 +36,11 @@ class _Pipeline:
 
     def __init__(self, stages: list[_PipelineStageBase], schedule: Any) -> None:
         self.schedule = schedule
+        self.stages = stages
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
+        # Set when the first stage posts the output's receive after its first backward (see PipelineRuntime._run).
+        self.posts_in_backward = False
         # The output's shape and dtype, learnt on the first step; like the activations torch infers once, they are
         # fixed for a given input shape.
         self.output_meta: tuple[list[int], torch.dtype] | None = None
@@ -115,7 +118,9 @@ class PipelineRuntime:
         self.tied = list(tied)
         self._pipelines: dict[tuple[Any, ...], _Pipeline] = {}
         self._warned_sizes: set[int] = set()
-        self._fresh_grads: list[torch.Tensor | None] | None = None
+        self._fresh_grads: tuple[list[nn.Parameter], list[torch.Tensor | None]] | None = None
+        self._awaited_output: torch.Tensor | None = None  # this step's output buffer until its receive is posted
+        self._pending_output: Any = None  # the posted receive
         last = layout.stages - 1
         owner = next(r for r in range(layout.pipeline_size) if last in layout.stage_indices(r, spec.style))
         self._output_source = dist.get_global_rank(groups.pipeline, owner)
@@ -138,6 +143,11 @@ class PipelineRuntime:
         if not training and self.spec.style == "v":
             make_forward_only(schedule)
         pipeline = self._pipelines[key] = _Pipeline(stages, schedule)
+        if training and pipeline.has_first and not pipeline.has_last:
+            first = next(stage for stage in stages if stage.is_first)
+            if isinstance(first, _RecordedChunks):
+                first.after_backward = self._post_output
+                pipeline.posts_in_backward = True
         return pipeline
 
     def _broadcast(self, tensor: torch.Tensor, async_op: bool = False) -> Any:
@@ -166,24 +176,34 @@ class PipelineRuntime:
     def _run(
         self, pipeline: _Pipeline, inputs: Sequence[Any], kw: Mapping[str, Any], target: torch.Tensor | None
     ) -> torch.Tensor:
-        """Run the schedule and return the last stage's output on every stage of the pipeline."""
+        """Run the schedule and return the last stage's output on every stage of the pipeline.
+
+        The ranks without the last stage receive the output by a broadcast posted before the schedule, so that it
+        overlaps with their work. The first stage is the exception: it starts each step and ends it (its backward is
+        the last), so every microsecond it spends outside the schedule lengthens the step; it posts the receive after
+        its first backward instead, while it waits for the next gradient.
+        """
         args = tuple(inputs) if pipeline.has_first else ()
         kwargs: dict[str, Any] = dict(kw) if pipeline.has_first else {}
         if target is not None and pipeline.has_last:
             kwargs["target"] = target
-        received, pending = None, None
+        received: torch.Tensor | None = None
+        self._pending_output = None
         if pipeline.output_meta is not None and not pipeline.has_last:
-            # Post the receive now: the broadcast then overlaps with this stage's remaining work in the schedule.
             shape, dtype = pipeline.output_meta
             received = torch.empty(shape, dtype=dtype, device=self.device)
-            pending = self._broadcast(received, async_op=True)
+            if target is not None and pipeline.posts_in_backward:
+                self._awaited_output = received  # posted by _post_output, from the first stage's first backward
+            else:
+                self._pending_output = self._broadcast(received, async_op=True)
         run = pipeline.schedule.eval if target is None else pipeline.schedule.step
-        output = run(*args, **kwargs)
+        try:
+            output = run(*args, **kwargs)
+        finally:
+            self._awaited_output = None
         if pipeline.output_meta is None:
             shape, dtype = self._learn_output_meta(output, pipeline)
             received = None if pipeline.has_last else torch.empty(shape, dtype=dtype, device=self.device)
-            if received is not None:
-                pending = self._broadcast(received, async_op=True)
         if pipeline.has_last:
             assert pipeline.output_meta is not None  # learnt above on the first run
             shape, dtype = pipeline.output_meta
@@ -195,9 +215,17 @@ class PipelineRuntime:
             output = output.detach().contiguous()
             self._broadcast(output)
             return output
-        assert pending is not None and received is not None
+        assert received is not None
+        # Not posted yet: the first run (the shape was unknown), or a schedule that ran no backward here.
+        pending = self._pending_output if self._pending_output is not None else self._broadcast(received, async_op=True)
+        self._pending_output = None
         pending.wait()
         return received
+
+    def _post_output(self, chunk: int) -> None:
+        """Called after each backward of the first stage: the first one posts the receive of the step's output."""
+        if self._awaited_output is not None and self._pending_output is None:
+            self._pending_output = self._broadcast(self._awaited_output, async_op=True)
 
     def evaluate(self, *inputs: Any, **kw: Any) -> torch.Tensor:
         """Forward-only pipeline; pads the rows to whole micro-batches and cuts the padding off again."""
@@ -238,24 +266,27 @@ class PipelineRuntime:
                 "keeps its shapes. Give every training batch the same size (DataLoader(drop_last=True))."
             )
         output = self._run(self._pipeline("train", inputs, kw, self.n_microbatches), inputs, kw, target)
-        self._fresh_grads = [p.grad for p in params]
+        self._fresh_grads = (list(params), [p.grad for p in params])
         for p, grad in zip(params, earlier, strict=True):
             p.grad = grad
         return output
 
-    def hand_over(self, params: Sequence[nn.Parameter]) -> None:
-        """Add the parked gradients to ``params``, averaged over the replicas first (collective over them).
+    def hand_over(self) -> None:
+        """Add the parked gradients to the parameters :meth:`train` ran with, averaged over the replicas first.
+
+        A collective over the replicas when there are several.
 
         Raises:
             RuntimeError: when no training step has parked any (a second backward, or ``manual_backward``).
 
         """
-        fresh, self._fresh_grads = self._fresh_grads, None
-        if fresh is None:
+        parked, self._fresh_grads = self._fresh_grads, None
+        if parked is None:
             raise RuntimeError(
                 "ds_pipeline computes gradients in the pipeline schedule of training_step; manual_backward or a second "
                 "backward per step has no new gradients to apply."
             )
+        params, fresh = parked
         grads = [g if g is not None else torch.zeros_like(p) for p, g in zip(params, fresh, strict=True)]
         self._sum_tied(params, grads)
         replicas = self.layout.data_parallel_size

@@ -85,18 +85,19 @@ class PipelinedModule(nn.Module):
 
     def prime(self, output: torch.Tensor) -> None:
         """Hand the pipeline's output of this training step to the user's ``training_step``."""
-        self._primed, self._primed_calls = output, 0
+        # Plain attributes: written straight to __dict__, skipping nn.Module.__setattr__'s checks on every step.
+        self.__dict__["_primed"], self.__dict__["_primed_calls"] = output, 0
 
     def unprime(self) -> None:
         """Forget the step's output."""
-        self._primed = None
+        self.__dict__["_primed"] = None
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """Return the primed training output, or run a forward-only pipeline when gradients are off."""
         if not self._traced and (len(args) != 1 or kwargs):
             raise TypeError("Under ds_pipeline the pipelined nn.Sequential takes exactly one tensor argument.")
         if self._primed is not None:
-            self._primed_calls += 1
+            self.__dict__["_primed_calls"] += 1
             if self._primed_calls > 1:
                 raise RuntimeError(
                     "Under ds_pipeline, training_step may call the pipelined module once per batch: the pipeline has "
@@ -120,11 +121,17 @@ class PipelinedModule(nn.Module):
 
 
 class _RecordedChunks:
-    """Reports each forward and backward a stage runs to a :class:`SpanRecorder` (mixed into torch's stages)."""
+    """Reports each forward and backward a stage runs to a :class:`SpanRecorder` (mixed into torch's stages).
+
+    ``after_backward``, when set, is called with each full backward's micro-batch index once it has run: the runtime
+    posts the receive of the pipeline's output there on the first stage, in the wait for the next gradient, instead
+    of on the critical path before the schedule.
+    """
 
     stage_index: int
     has_backward: bool
     _recorder: SpanRecorder | None
+    after_backward: Callable[[int], None] | None = None
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self._recorder is None:
@@ -134,10 +141,14 @@ class _RecordedChunks:
 
     def backward_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self._recorder is None or not self.has_backward:
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
-        kind = "backward" if kwargs.get("full_backward", True) else "backward_input"  # torch's schedules pass keywords
-        with self._recorder.span(kind, self.stage_index, bwd_chunk_id):
-            return super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
+            output = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
+        else:
+            kind = "backward" if kwargs.get("full_backward", True) else "backward_input"  # torch passes keywords
+            with self._recorder.span(kind, self.stage_index, bwd_chunk_id):
+                output = super().backward_one_chunk(bwd_chunk_id, *args, **kwargs)  # type: ignore[misc]
+        if self.after_backward is not None:
+            self.after_backward(bwd_chunk_id)
+        return output
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
         if self._recorder is None or not self.has_backward:

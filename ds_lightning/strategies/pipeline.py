@@ -204,6 +204,7 @@ class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
         self._full_groups: list[list[list[str]]] = []
         self._full: nn.Module | None = None
         self._proxy: PipelinedModule | None = None
+        self._proxy_parameters: tuple[PipelinedModule | None, list[nn.Parameter]] = (None, [])
         self._runtime: PipelineRuntime | None = None
         self._canonical: dict[str, str] = {}
         self._names: dict[nn.Parameter, str] = {}
@@ -361,7 +362,10 @@ class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
 
     def _local_parameters(self) -> list[nn.Parameter]:
         assert self._proxy is not None
-        return [p for p in self._proxy.parameters() if p.requires_grad]
+        # The proxy's parameters are fixed once it is built; listing them walks its modules, so once per proxy.
+        if self._proxy_parameters[0] is not self._proxy:
+            self._proxy_parameters = (self._proxy, list(self._proxy.parameters()))
+        return [p for p in self._proxy_parameters[1] if p.requires_grad]
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -385,7 +389,7 @@ class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Any:
         assert self.lightning_module is not None and self._runtime is not None
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
-        self._runtime.hand_over(self._local_parameters())
+        self._runtime.hand_over()
         return self.precision_plugin.post_backward(closure_loss, self.lightning_module)
 
     @property
