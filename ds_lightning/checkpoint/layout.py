@@ -32,6 +32,7 @@ __all__ = [
     "MODEL_KEY",
     "SavedShards",
     "atomic_save",
+    "holds_optimizer_state",
     "is_sharded_checkpoint",
     "optimizer_key",
     "read_checkpoint",
@@ -89,6 +90,17 @@ def saved_keys(path: Path) -> set[str]:
     metadata = FileSystemReader(path).read_metadata()
     paths = metadata.planner_data or {}
     return {str(paths[key][0]) if key in paths else key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+
+
+def holds_optimizer_state(source: SavedShards) -> bool:
+    """Whether the optimizer part ``source`` holds any per-parameter state (none when saved before its first step)."""
+    metadata = FileSystemReader(source.path).read_metadata()
+    paths = metadata.planner_data or {}
+    prefix = f"{source.key}.state."
+    return any(
+        tuple(paths[key][:2]) == (source.key, "state") if key in paths else key.startswith(prefix)
+        for key in metadata.state_dict_metadata
+    )
 
 
 def read_checkpoint(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.optim import Optimizer
 
 from ds_lightning.checkpoint.io import ShardedGroup, load_into
-from ds_lightning.checkpoint.layout import MODEL_KEY, SavedShards
+from ds_lightning.checkpoint.layout import MODEL_KEY, SavedShards, holds_optimizer_state
 
 __all__ = [
     "ShardedStateDicts",
@@ -75,12 +75,21 @@ def module_state(module: nn.Module) -> dict[str, Any]:
 
 
 def optimizer_state_by_name(module: nn.Module, optimizer: Optimizer) -> dict[str, Any]:
-    """``optimizer``'s state keyed by FQN over ``module``.
+    """``optimizer``'s state keyed by FQN over ``module``, for a save.
 
-    An optimizer that has not stepped gets its state created by a step with zero gradients at learning rate 0
-    (``get_optimizer_state_dict`` does it), so a load has tensors to fill.
+    ``get_optimizer_state_dict`` gives an optimizer that has not stepped its state with a step of zero gradients at
+    learning rate 0, and that step counts (Adam's ``step`` becomes 1, and its first real step then corrects its bias
+    as a second). So for such an optimizer the state is dropped again, from the optimizer and from the save: the run
+    goes on as without the save, and a resume from it starts the optimizer as fresh (see
+    :func:`load_optimizer_states`).
     """
-    return get_optimizer_state_dict(module, _raw(optimizer))
+    raw = _raw(optimizer)
+    stepped = any(raw.state.values())
+    state = get_optimizer_state_dict(module, raw)
+    if not stepped:
+        raw.state.clear()
+        state["state"] = {}
+    return state
 
 
 def load_module_state(module: nn.Module, source: SavedShards, group: ShardedGroup, strict: bool = True) -> None:
@@ -106,6 +115,14 @@ def load_optimizer_states(
         )
     for optimizer, source in zip(optimizers, sources, strict=True):
         raw = _raw(optimizer)
-        targets = {source.key: optimizer_state_by_name(module, raw)}
+        # Targets with the state created (by a zero-lr step, which set_optimizer_state_dict then overwrites), unless
+        # the part was saved before any step and holds none: then the optimizer starts fresh, as the saved one was.
+        target = get_optimizer_state_dict(module, raw)
+        fresh = not holds_optimizer_state(source)
+        if fresh:
+            target["state"] = {}
+        targets = {source.key: target}
         load_into(targets, source.path, group)
         set_optimizer_state_dict(module, raw, targets[source.key])
+        if fresh:
+            raw.state.clear()

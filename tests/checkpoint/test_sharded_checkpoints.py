@@ -25,7 +25,7 @@ import ds_lightning
 from ds_lightning.backup import BackupStore
 from ds_lightning.callbacks import BackupAndRestore
 from ds_lightning.checkpoint import META_FILENAME, ShardedGroup, is_sharded_checkpoint, read_checkpoint, save_sharded
-from ds_lightning.checkpoint.layout import SavedShards, read_part
+from ds_lightning.checkpoint.layout import SavedShards, holds_optimizer_state, read_part
 from tests.helpers.backup_runs import DIED, Net, make_data
 from tests.helpers.runner import REPO, Run, WarmRanks, run_module, run_ranks, worker_env
 
@@ -328,3 +328,28 @@ def test_parameter_server_sharded_backup_resumes_exactly(tmp_path: Path) -> None
     )
     assert difference["resume"] <= 1e-6
     assert difference["control"] > 1e-3
+
+
+@pytest.mark.multiprocess
+def test_a_save_before_the_first_step_changes_nothing_and_resumes_fresh(tmp_path: Path, pair: WarmRanks) -> None:
+    """A sharded save as training starts (Adam, no step yet) leaves the run equal to one without it, holds no optimizer
+    state, and a resume from it equals the run too. Control: creating the state the way torch's
+    ``get_optimizer_state_dict`` does (a zero-lr step that Adam counts) ends far from the run."""
+    spec = {**MIRRORED, "backup": {"every_n_train_steps": 100}, "max_epochs": 1}
+    folder = tmp_path / "at_start.ckpt"
+    train(tmp_path, "plain", spec, warm=pair)
+    train(tmp_path, "saved", {**spec, "save_at_train_start": str(folder)}, warm=pair)
+    assert is_sharded_checkpoint(folder)
+    checkpoint = read_checkpoint(folder)
+    assert checkpoint["global_step"] == 0
+    assert not holds_optimizer_state(checkpoint["optimizer_states"][0])
+    train(tmp_path, "resumed", {**spec, "ckpt_path": str(folder)}, warm=pair)
+    train(tmp_path, "torch_state", {**spec, "state_at_train_start": True}, warm=pair)
+    plain = final_params(tmp_path, "plain")
+    saved = max_difference(plain, final_params(tmp_path, "saved"))
+    resumed = max_difference(plain, final_params(tmp_path, "resumed"))
+    control = max_difference(plain, final_params(tmp_path, "torch_state"))
+    print(f"save before step 1: {saved:.2e}; resumed from it: {resumed:.2e}; torch's state creation: {control:.2e}")
+    assert saved <= 1e-7
+    assert resumed <= 1e-6
+    assert control > 1e-4

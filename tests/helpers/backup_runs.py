@@ -2,11 +2,10 @@
 
 Usage: ``python -m tests.helpers.backup_runs SPEC.json``. Every rank appends the sample ids of each batch it trains on
 to ``{out}.ids.rank{r}.jsonl`` (epoch, the optimizer step the batch belongs to, ids; each run starts with a mark
-naming its ``attempt``),
-flushed per batch so a killed run
-leaves its log. ``die_at_step`` kills every rank (``os._exit``) when that optimizer step starts, as a crash would;
-``kill_server_at_step`` has the chief SIGKILL parameter server 0. A run that ends writes ``{out}.ckpt`` (consolidated
-by the strategy) and ``{out}.json`` (steps, the backup it resumed from, held-out accuracy).
+naming its ``attempt``), flushed per batch so a killed run leaves its log. ``die_at_step`` kills every rank
+(``os._exit``) when that optimizer step starts, as a crash would; ``kill_server_at_step`` has the chief SIGKILL
+parameter server 0; ``ckpt_path`` is passed to ``fit``. A run that ends writes ``{out}.ckpt`` (consolidated by the
+strategy) and ``{out}.json`` (steps, the backup it resumed from, held-out accuracy).
 """
 
 from __future__ import annotations
@@ -195,7 +194,7 @@ def main(spec_path: str) -> None:
     )
     train = DataLoader(data, batch_size=spec.get("batch_size", 8), shuffle=True)
     model = Net(**spec.get("model", {}))
-    trainer.fit(model, train)
+    trainer.fit(model, train, ckpt_path=spec.get("ckpt_path"))
     if getattr(trainer.strategy, "is_server", False):
         return
     trainer.save_checkpoint(f"{out}.ckpt")

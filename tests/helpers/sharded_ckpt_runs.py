@@ -5,7 +5,10 @@ Usage: ``python -m tests.helpers.sharded_ckpt_runs SPEC.json``. The spec is back
 
 - ``kill_in_write_at_step``: every rank exits with ``DIED`` inside DCP's write of the backup of that step, once its
   own part is on disk and before the backup is committed (a kill mid-write);
-- ``skip_optimizer_restore``: a restore leaves the optimizer state as it starts (the control of exact resume).
+- ``skip_optimizer_restore``: a restore leaves the optimizer state as it starts (the control of exact resume);
+- ``save_at_train_start``: every rank saves a checkpoint to that path as training starts, before any optimizer step;
+- ``state_at_train_start``: every rank asks torch's ``get_optimizer_state_dict`` for the optimizer's state as training
+  starts, which creates it with a counted zero-lr step (the control of a save before the first step).
 """
 
 from __future__ import annotations
@@ -52,8 +55,26 @@ def skip_optimizer_restore() -> None:
     ChiefCheckpoints.load_optimizer_state_dict = resume_without_optimizer  # type: ignore[method-assign]
 
 
+def at_train_start(save_to: str | None, torch_state: bool) -> None:
+    """Save a checkpoint to ``save_to``, or create the optimizer state torch's way, as training starts."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    start = backup_runs.RecordIds.on_train_start
+
+    def start_then_save(self: Any, trainer: Any, pl_module: Any) -> None:
+        start(self, trainer, pl_module)
+        if save_to is not None:
+            trainer.save_checkpoint(save_to)
+        if torch_state:
+            get_optimizer_state_dict(pl_module, trainer.optimizers[0])
+
+    backup_runs.RecordIds.on_train_start = start_then_save  # type: ignore[method-assign]
+
+
 def main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
+    if spec.get("save_at_train_start") or spec.get("state_at_train_start"):
+        at_train_start(spec.get("save_at_train_start"), bool(spec.get("state_at_train_start")))
     if spec.get("kill_in_write_at_step") is not None:
         kill_in_write(int(spec["kill_in_write_at_step"]))
     if spec.get("skip_optimizer_restore"):
