@@ -28,13 +28,17 @@ HERE = Path(__file__).resolve().parent
 WORKER, LADDER_WORKER = HERE / "worker.py", HERE / "ladder_worker.py"
 SUMMARY_KEYS = ["step_ms", "state_mb_max", "state_mb_min", "grad_mb", "broadcast_mb_max", "fsdp_mb_max"]
 SUMMARY_KEYS += ["sent_mb_max", "ring_mb_max", "rss_mb_max", "param_mb_max", "grad_local_mb_max"]
-SUMMARY_KEYS += ["model_state_mb_max", "activation_mb_max", "ckpt_model_mb"]
-SUMMARY_KEYS += [f"ckpt_{kind}_{k}" for kind in ("sharded", "full") for k in CHECKPOINT_KEYS]
+SUMMARY_KEYS += ["model_state_mb_max", "activation_mb_max"]
+CHECKPOINT_SUMMARY_KEYS = ["ckpt_model_mb", "step_ms", "rss_mb_max"]
+CHECKPOINT_SUMMARY_KEYS += [f"ckpt_{kind}_{k}" for kind in ("sharded", "full") for k in CHECKPOINT_KEYS]
 LADDER_KEYS = ["largest_parameters", "largest_mparams", "largest_peak_rss_mb", "rungs_finished", "climb_s"]
 ZERO3_STATE_TARGET = 0.30  # ZeRO-3's model state against plain's, at 4 ranks
 LADDER_TARGET = 3.0  # the largest TiedGPT under the cap, ZeRO-3 against plain, at 4 ranks
 CHECKPOINT_TARGET = 1.10  # rank 0's growth during a sharded save, over 1/N of the model
-PARTS = ("modes", "ladder")
+PARTS = ("modes", "ladder", "checkpoint")
+#: The checkpoint part's larger model (ZeRO-3): a fixed cost of the save is then small beside 1/N of the model.
+CHECKPOINT_HIDDEN = [4096, 4096]  # the digits MLP: 17.1M parameters
+CHECKPOINT_GPT = {"n_layer": 8, "n_head": 8, "d_model": 512}  # TiedGPT: 25.4M parameters
 JUDGED = ("plain", "zero3")  # the ladder's judged pair
 CAP_MB = 500  # the ladder's per-process cap (MiB)
 GPT_STEPS = 6  # timed GPT steps per launch (the sharding benchmark's 10 made a full run too long with 5 modes)
@@ -44,6 +48,10 @@ EXTRA_PATH = harness.REPO / ".venv" / "bench-extra"
 
 def ladder_arm(mode: str, procs: int) -> str:
     return f"ladder_{arm_name(mode, procs)}"
+
+
+def checkpoint_arm(procs: int) -> str:
+    return f"checkpoint_{arm_name('zero3', procs)}"
 
 
 def targets(summary: dict[str, Any], procs: list[int], modes: list[str]) -> list[dict[str, Any]]:
@@ -81,8 +89,8 @@ def extra_verdicts(summary: dict[str, Any], st: dict[str, Any]) -> list[dict[str
         ratio = summary.get("ladder", {}).get(ladder_arm("zero3", n), {}).get("largest_parameters_ratio")
         what = f"ZeRO-3: largest TiedGPT under the {st['cap_mb']} MiB cap / plain's (parameters), {n} processes"
         out.append(harness.judged(what, ratio, at_least=LADDER_TARGET, unit="x"))
-    for n in st["procs"] if "modes" in st["parts"] and "zero3" in st["modes"] and st.get("checkpoint") else []:
-        ratio = summary.get(arm_name("zero3", n), {}).get("ckpt_sharded_growth_ratio")
+    for n in st["procs"] if "checkpoint" in st["parts"] else []:
+        ratio = summary.get("checkpoint", {}).get(checkpoint_arm(n), {}).get("ckpt_sharded_growth_ratio")
         what = f"rank 0's resident growth during a sharded save / (model / N), {n} processes"
         out.append(harness.judged(what, ratio, at_most=CHECKPOINT_TARGET, unit="x"))
     return out
@@ -106,8 +114,10 @@ class Memory(common.ShardingBenchmark):
         super().options(parser)
         parser.add_argument("--modes", nargs="+", choices=MIRRORED, default=None, help=f"({' '.join(MIRRORED)})")
         parser.add_argument("--external", nargs="*", choices=EXTERNAL, default=None, help=f"({' '.join(EXTERNAL)})")
-        parser.add_argument("--parts", nargs="+", choices=PARTS, default=None, help="(modes; ladder with --model gpt)")
-        parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="no checkpoint saves")
+        parser.add_argument(
+            "--parts", nargs="+", choices=PARTS, default=None, help="(modes checkpoint; ladder too with --model gpt)"
+        )
+        parser.add_argument("--no-checkpoint", dest="checkpoint", action="store_false", help="no checkpoint part")
         parser.add_argument("--cap-mb", type=int, default=CAP_MB, help=f"the ladder's per-process cap, MiB ({CAP_MB})")
         parser.add_argument("--ladder-procs", type=int, nargs="+", default=[4], help="the ladder's ranks (4)")
         parser.add_argument("--ladder-modes", nargs="+", choices=MIRRORED, default=None, help="(every mode)")
@@ -133,7 +143,8 @@ class Memory(common.ShardingBenchmark):
         opts.modes = opts.modes or (quick_modes if opts.quick else list(MIRRORED))
         opts.extra_path = str(Path(opts.extra_path).resolve())  # the ranks run in a temporary folder
         opts.external = ([] if opts.quick else list(EXTERNAL)) if opts.external is None else opts.external
-        opts.parts = opts.parts or (list(PARTS) if opts.model == "gpt" else ["modes"])
+        opts.parts = opts.parts or [p for p in PARTS if p != "ladder" or opts.model == "gpt"]
+        opts.parts = [p for p in opts.parts if p != "checkpoint" or opts.checkpoint]
         opts.ladder_modes = opts.ladder_modes or (quick_modes if opts.quick else list(MIRRORED))
         opts.ladder_repeats = opts.ladder_repeats or opts.repeats
         if opts.quick:  # a smoke test: 2 processes, and one step a rung
@@ -146,9 +157,7 @@ class Memory(common.ShardingBenchmark):
 
     def experiment(self, opts: argparse.Namespace) -> Experiment:
         arms = [
-            Arm(
-                arm_name(m, n), {"procs": n, "mode": m, "checkpoint": opts.checkpoint and m == "zero3"}, arm_title(m, n)
-            )
+            Arm(arm_name(m, n), {"procs": n, "mode": m}, arm_title(m, n))
             for n in opts.procs
             for m in [*opts.modes, *opts.external]
         ]
@@ -169,13 +178,26 @@ class Memory(common.ShardingBenchmark):
         others = [m for m in opts.ladder_modes if m not in JUDGED]
         return [Experiment(arms(judged), opts.ladder_repeats), *([Experiment(arms(others), 1)] if others else [])]
 
+    def checkpoint_experiment(self, opts: argparse.Namespace) -> Experiment:
+        """ZeRO-3 on the larger model, one timed step, then a sharded and a full save, per process count."""
+        params = {"mode": "zero3", "checkpoint": True, "larger": True}
+        title = "ZeRO-3, larger model, {} procs"
+        return Experiment(
+            [Arm(checkpoint_arm(n), {**params, "procs": n}, title.format(n)) for n in opts.procs], opts.repeats
+        )
+
     def env(self, opts: argparse.Namespace, rendezvous: bool = True) -> dict[str, str]:
         """A launch's environment: one thread, and glibc's mmap threshold fixed (see the README)."""
         extra = {"MALLOC_MMAP_THRESHOLD_": str(opts.mmap_threshold)} if opts.mmap_threshold else {}
         return harness.worker_env(1, rendezvous, **extra)
 
     def spec(self, arm: Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
-        return {**super().spec(arm, repeat, opts), "extra_path": opts.extra_path}
+        spec = {**super().spec(arm, repeat, opts), "extra_path": opts.extra_path}
+        if arm.params.get("larger"):  # the checkpoint part: the larger model, one warm-up and one timed step
+            spec.update(hidden=CHECKPOINT_HIDDEN, warmup=1, steps=1)
+            if spec["workload"]["model"] == "gpt":
+                spec["workload"] = {**spec["workload"], **CHECKPOINT_GPT}
+        return spec
 
     def run(self, arm: Arm, repeat: int, opts: argparse.Namespace) -> dict[str, Any]:
         if arm.name in self.first_error:  # an external strategy that could not start here: once is enough
@@ -208,7 +230,7 @@ class Memory(common.ShardingBenchmark):
         )
 
     def collect(self, opts: argparse.Namespace) -> dict[str, Any]:
-        data: dict[str, Any] = {"records": [], "arms": {}, "ladder_arms": {}, "baseline": None}
+        data: dict[str, Any] = {"records": [], "arms": {}, "ladder_arms": {}, "checkpoint_arms": {}, "baseline": None}
         if "modes" in opts.parts:
             experiment = self.experiment(opts)
             data["records"] += harness.run_experiment(experiment, lambda a, r: self.run(a, r, opts), self.progress)
@@ -220,20 +242,29 @@ class Memory(common.ShardingBenchmark):
                 data["ladder_arms"].update({a.name: a.title for a in ladder.arms})
         elif "ladder" in opts.parts:
             print(f"  ladder skipped: {cgroup.unavailable_reason()}", flush=True)
+        if "checkpoint" in opts.parts:
+            saves = self.checkpoint_experiment(opts)
+            records = harness.run_experiment(saves, lambda a, r: self.run(a, r, opts), self.progress)
+            data["records"] += [{**r, "part": "checkpoint"} for r in records]
+            data["checkpoint_arms"] = {a.name: a.title for a in saves.arms}
         return data
 
     def summarise(self, data: dict[str, Any]) -> dict[str, Any]:
         st = data["settings"]
         modes = [m for m in (*st["modes"], *st["external"])]
         procs = st["procs"]
-        mode_records = [r for r in data["records"] if r.get("part") != "ladder"]
+        mode_records = [r for r in data["records"] if r.get("part") not in ("ladder", "checkpoint")]
         pairs = [(arm_name(m, n), arm_name("plain", n)) for n in procs for m in modes if m != "plain"]
         pairs = [(a, b) for a, b in pairs if a in data["arms"]]
         s = self.spreads({**data, "records": mode_records}, pairs) if data["arms"] else {}
-        for arm in data["arms"]:  # an unavailable checkpoint option, or a save's error, as the arm's note
-            notes = {r.get(k) for r in mode_records if r["arm"] == arm for k in ("ckpt_unavailable",)} - {None}
-            errors = {k: r[k] for r in mode_records if r["arm"] == arm for k in r if k.endswith("_error")}
-            s[arm]["checkpoint_notes"] = sorted(notes) + [f"{k}: {v}" for k, v in sorted(errors.items())]
+        saves = [r for r in data["records"] if r.get("part") == "checkpoint"]
+        s["checkpoint"] = harness.summarise(saves, list(data.get("checkpoint_arms", {})), CHECKPOINT_SUMMARY_KEYS)
+        for arm in data.get("checkpoint_arms", {}):  # an unavailable option, or a save's error, as the arm's note
+            notes = {r.get("ckpt_unavailable") for r in saves if r["arm"] == arm} - {None}
+            errors = {k: r[k] for r in saves if r["arm"] == arm for k in r if k.endswith("_error")}
+            s["checkpoint"][arm]["checkpoint_notes"] = sorted(notes) + [f"{k}: {v}" for k, v in sorted(errors.items())]
+            first = next(iter(harness.ok(saves, arm)), None)
+            s["checkpoint"][arm]["parameters"] = first.get("parameters") if first else None
         ladder_records = [r for r in data["records"] if r.get("part") == "ladder"]
         arms = list(data.get("ladder_arms", {}))
         s["ladder"] = harness.summarise(ladder_records, arms, LADDER_KEYS)
@@ -257,7 +288,7 @@ class Memory(common.ShardingBenchmark):
         return report.figure(data, out / f"{harness.stem(self, data['settings'].get('model'))}.png")
 
 
-__all__ = ["Memory", "arm_name", "arm_title", "mode_of", "targets"]
+__all__ = ["Memory", "arm_name", "arm_title", "checkpoint_arm", "mode_of", "targets"]
 
 if __name__ == "__main__":
     harness.main(Memory())

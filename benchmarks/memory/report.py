@@ -80,19 +80,28 @@ def could_not_run(data: dict[str, Any]) -> list[str]:
 
 
 def checkpoint_lines(data: dict[str, Any]) -> list[str]:
-    s, st = data["summary"], data["settings"]
-    arms = [arm_name for arm_name in data["arms"] if mode_of(arm_name) == "zero3"]
-    if not st.get("checkpoint") or not arms:
+    s, st = data["summary"].get("checkpoint", {}), data["settings"]
+    arms = list(data.get("checkpoint_arms", {}))
+    if "checkpoint" not in st["parts"] or not arms:
         return []
+    params = next((s[a]["parameters"] for a in arms if s[a].get("parameters")), None)
     head = [
         "",
-        "## Checkpoint saves (ZeRO-3)",
+        "## Checkpoint saves (ZeRO-3, a larger model)",
         "",
-        "`MirroredStrategy(shard_parameters=True, state_dict_type='sharded')` after training: `trainer.save_checkpoint`"
-        " sharded (torch.distributed.checkpoint, every rank writes its part), then full (gathered, rank 0 writes one"
-        " file; the strategy's `state_dict_type` set to `'full'` between the saves). Rank 0's growth is its resident"
-        " set's peak during the save (`VmHWM`, reset first) less its resident set before it; the model is the"
-        " parameters + optimizer state over every rank (what a checkpoint holds).",
+        "`MirroredStrategy(shard_parameters=True, state_dict_type='sharded')` on a larger model of the same kind"
+        f" ({f'{params:,}' if params else '?'} parameters: "
+        + (
+            "TiedGPT, d_model 512, 8 layers, AdamW"
+            if st.get("model") == "gpt"
+            else "the MLP with hidden 4096-4096, Adam"
+        )
+        + "; one warm-up and one timed step), then `trainer.save_checkpoint` sharded"
+        " (torch.distributed.checkpoint, every rank writes its part), then full (gathered, rank 0 writes one file; the"
+        " strategy's `state_dict_type` set to `'full'` between the saves). Rank 0's growth is its resident set's peak"
+        " during the save (`VmHWM`, reset first) less its resident set before it; the model is the parameters +"
+        " optimizer state over every rank (what a checkpoint holds). A larger model than the modes' so that a save's"
+        " fixed cost (DCP's plan and metadata, `meta.pt`, a few MB) is small beside 1/N of the model.",
         "",
     ]
     notes = sorted({n for a in arms for n in s[a].get("checkpoint_notes", [])})
@@ -104,13 +113,13 @@ def checkpoint_lines(data: dict[str, Any]) -> list[str]:
         for kind in ("sharded", "full"):
             rows.append(
                 [
-                    data["arms"][arm],
+                    data["checkpoint_arms"][arm],
                     kind,
-                    fmt(v.get("ckpt_model_mb"), ".2f"),
+                    fmt(v.get("ckpt_model_mb"), ".1f"),
                     fmt(v.get(f"ckpt_{kind}_s"), ".3f"),
                     fmt(v.get(f"ckpt_{kind}_growth_mb"), ".2f"),
                     fmt(v.get(f"ckpt_{kind}_growth_ratio"), ".2f"),
-                    fmt(v.get(f"ckpt_{kind}_disk_mb"), ".2f"),
+                    fmt(v.get(f"ckpt_{kind}_disk_mb"), ".1f"),
                 ]
             )
     cols = ["arm", "save", "model (MB)", "save time (s, rank 0)", "rank-0 growth (MB)", "growth / (model / N)"]

@@ -225,4 +225,5 @@ def test_full_run_keeps_every_arm_the_docs_read():
     names = ("plain", "sharded", "fsdp2", "zero3", "offload", "lfsdp", "deepspeed")
     assert arms == {f"{a}_p{n}" for a in names for n in (2, 4)}
     assert opts.repeats >= harness.MIN_LAUNCHES
-    assert opts.parts == ["modes"] and _opts("--model", "gpt").parts == ["modes", "ladder"]
+    assert opts.parts == ["modes", "checkpoint"] and _opts("--model", "gpt").parts == ["modes", "ladder", "checkpoint"]
+    assert _opts("--no-checkpoint").parts == ["modes"]

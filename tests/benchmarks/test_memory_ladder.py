@@ -182,3 +182,39 @@ def test_ladder_section_and_its_verdict(tmp_path: Path):
     assert verdict["target"] == ">= 3.00x" and verdict["verdict"] == "met" and verdict["launches"] == 3
     assert json.loads((tmp_path / "memory_gpt.json").read_text())["format"] == harness.FORMAT
     assert sys.modules["benchmarks.memory.ladder"].RUNGS == RUNGS
+
+
+def test_checkpoint_section_and_its_verdicts_read_the_larger_model_arms(tmp_path: Path):
+    """The checkpoint part's arms (the larger model) give the section's rows and the save's verdicts; a growth above
+    1.10x of 1/N of the model is missed, one below it met."""
+    pytest.importorskip("matplotlib")
+    bench = Memory()
+    opts = harness.cli.resolve(bench, harness.cli.parser(bench).parse_args(["--out", str(tmp_path)]))
+    meta = bench.meta(opts)
+    assert opts.parts == ["modes", "checkpoint"]
+    settings = {k: v for k, v in vars(opts).items() if k not in ("out", "render")}
+    settings.update(parts=["checkpoint"])
+    arms = {a.name: a.title for a in bench.checkpoint_experiment(opts).arms}
+    assert list(arms) == ["checkpoint_zero3_p2", "checkpoint_zero3_p4"]
+    spec = bench.spec(bench.checkpoint_experiment(opts).arms[0], 0, opts)
+    assert spec["hidden"] == [4096, 4096] and spec["checkpoint"] and spec["mode"] == "zero3"
+    records = []
+    for n, growth in ((2, 0.6), (4, 1.4)):
+        model = 200e6  # bytes over every rank
+        ranks = [{"rank": r, "param_bytes": model / 3 / n, "state_bytes": 2 * model / 3 / n} for r in range(n)]
+        saves = [
+            {"kind": k, "disk_bytes": model, "ranks": [{"rank": 0, "seconds": 1.0, "growth_bytes": g * model / n}]}
+            for k, g in (("sharded", growth), ("full", 2 * n))
+        ]
+        for rep in range(3):
+            reading = {"parameters": 17_100_000, **checkpoint_reading({"saves": saves}, ranks)}
+            records.append({"arm": f"checkpoint_zero3_p{n}", "repeat": rep, "part": "checkpoint", **reading})
+    data = {"benchmark": "memory", "settings": settings, **meta, "arms": {}, "ladder_arms": {}}
+    data.update(checkpoint_arms=arms, records=records)
+    write_json(tmp_path / "memory.json", data)
+    harness.main(Memory(), ["--render", str(tmp_path / "memory.json")])
+    md = (tmp_path / "memory.md").read_text()
+    assert "## Checkpoint saves (ZeRO-3, a larger model)" in md and "17,100,000 parameters" in md
+    assert "| ZeRO-3, larger model, 4 procs | sharded | 200.0 | 1.000 | 70.00 | 1.40 | 200.0 |" in md
+    verdicts = {v["what"].rsplit(", ", 1)[1]: v["verdict"] for v in Memory().summarise(data)["verdicts"]}
+    assert verdicts == {"2 processes": "met", "4 processes": "missed"}
