@@ -25,18 +25,31 @@ class RecordPipeline(Callback):
     """Record the schedule objects the strategy built and each forward call of this process's layers.
 
     The JSON holds ``schedules``: ``{mode: {"class": "module.Class", "stages": [...]}}`` for each pipeline the strategy
-    built (``mode`` is ``"train"`` or ``"eval"``), and ``calls``: one ``[phase, step, layer, rows, device, grad]`` per
-    forward of a layer of the pipelined ``nn.Sequential`` that this process holds.
+    built (``mode`` is ``"train"`` or ``"eval"``), ``calls``: one ``[phase, step, layer, rows, device, grad]`` per
+    forward of a layer of the pipelined ``nn.Sequential`` that this process holds, and ``posted_in_backward``: the
+    training steps whose output receive this process posted from a backward (the first stage's, once the output's
+    shape is known).
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.calls: list[list[Any]] = []
+        self.posted_in_backward: list[int] = []  # the steps whose output receive a backward of this rank posted
         self.schedules: dict[str, dict[str, Any]] = {}
         self._phase, self._step = "setup", -1
         self._handles: list[Any] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        runtime = trainer.strategy._runtime
+        post = runtime._post_output  # the first stage's stage object binds it when the training pipeline is built
+
+        def record_post(chunk: int) -> None:
+            before = runtime._pending_output
+            post(chunk)
+            if before is None and runtime._pending_output is not None:
+                self.posted_in_backward.append(self._step)
+
+        runtime._post_output = record_post
         # After setup the module's attribute holds only this process's layers, under their original indices.
         held = getattr(pl_module, trainer.strategy.pipe_module)
         for name, layer in held.named_children():
@@ -72,4 +85,5 @@ class RecordPipeline(Callback):
         for handle in self._handles:
             handle.remove()
         record = {"global_step": trainer.global_step, "schedules": self.schedules, "calls": self.calls}
+        record["posted_in_backward"] = self.posted_in_backward
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))

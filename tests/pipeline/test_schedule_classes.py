@@ -61,10 +61,11 @@ def test_each_name_maps_to_its_torch_class_in_any_case(name):
 @pytest.fixture(scope="module")
 def probes(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("classes")
-    # One training step, then one validation batch: the training and the forward-only schedule of every name.
+    # Two training steps, each followed by one validation batch: the training and the forward-only schedule of every
+    # name, and a step after the first (which learns the output's shape).
     trainer = {"limit_val_batches": 1, "val_check_interval": 1, "num_sanity_val_steps": 0}
     runs = [
-        _fit(root / f"{name}.pt", {"schedule": name, "n_microbatches": 4}, 1, trainer=trainer, probe=str(root / name))
+        _fit(root / f"{name}.pt", {"schedule": name, "n_microbatches": 4}, 2, trainer=trainer, probe=str(root / name))
         for name in EXPECTED
     ]
     launch(root, "classes", 2, runs)
@@ -80,7 +81,7 @@ def test_each_schedule_name_runs_its_torch_class_on_every_rank(probes, name):
         path = probes / f"{name}.rank{rank}.json"
         assert path.exists(), f"{path} was not written"
         record = json.loads(path.read_text())
-        assert record["global_step"] == 1
+        assert record["global_step"] == 2
         assert set(record["schedules"]) == {"train", "eval"}, f"rank {rank}: {record['schedules']}"
         for mode, built in record["schedules"].items():
             assert built["class"] == expected, f"{name} rank {rank} {mode}"
@@ -88,3 +89,14 @@ def test_each_schedule_name_runs_its_torch_class_on_every_rank(probes, name):
         # The schedule ran: this rank's layers saw the training step's micro-batches and the validation batch.
         phases = {phase for phase, *_ in record["calls"]}
         assert phases == {"train", "val"}, f"rank {rank}: {phases}"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_the_first_stage_posts_the_outputs_receive_in_its_backward(probes, name):
+    """Rank 0 holds the first stage: where it does not hold the last too (all but the V schedules), it receives the
+    output and posts that receive from its first backward of each step after the first (the first learns the
+    output's shape after the schedule); the other ranks post before the schedule or receive nothing."""
+    posted = [json.loads((probes / f"{name}.rank{r}.json").read_text())["posted_in_backward"] for r in (0, 1)]
+    holds_last = STAGES[name] == V
+    assert posted == [[] if holds_last else [1], []], f"{name}: steps posted from a backward, per rank: {posted}"
