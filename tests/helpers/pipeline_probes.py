@@ -40,16 +40,17 @@ class RecordPipeline(Callback):
         self._handles: list[Any] = []
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        runtime = trainer.strategy._runtime
-        post = runtime._post_output  # the first stage's stage object binds it when the training pipeline is built
+        runtime = getattr(trainer.strategy, "_runtime", None)  # None under the other strategies pipeline_runs runs
+        if runtime is not None:
+            post = runtime._post_output  # the first stage's stage object binds it when the training pipeline is built
 
-        def record_post(chunk: int) -> None:
-            before = runtime._pending_output
-            post(chunk)
-            if before is None and runtime._pending_output is not None:
-                self.posted_in_backward.append(self._step)
+            def record_post(chunk: int) -> None:
+                before = runtime._pending_output
+                post(chunk)
+                if before is None and runtime._pending_output is not None:
+                    self.posted_in_backward.append(self._step)
 
-        runtime._post_output = record_post
+            runtime._post_output = record_post
         # After setup the module's attribute holds only this process's layers, under their original indices.
         held = getattr(pl_module, trainer.strategy.pipe_module)
         for name, layer in held.named_children():
