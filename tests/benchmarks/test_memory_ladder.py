@@ -117,8 +117,16 @@ def test_activation_meter_leaves_parameters_and_their_views_out():
 
 def test_peak_rss_resets_and_status_fields():
     assert meters.status_kib("Name:\tpython\nVmHWM:\t  2048 kB\nVmRSS:\t 1024 kB\n", "VmHWM") == 2048
-    if meters.reset_peak_rss():
-        assert meters.rss_kib("VmHWM") >= meters.rss_kib() > 0
+    if not meters.reset_peak_rss():
+        return  # /proc/self/clear_refs refused: the benchmark then reports no growth, which the readings test covers
+    rss = meters.rss_kib()  # read first: the peak read after it is at least every resident set before it
+    assert meters.rss_kib("VmHWM") >= rss > 0
+    touched = torch.ones(64 << 18)  # 64 MiB written, so resident: the peak rises by about that much
+    del touched
+    meters.malloc_trim()
+    raised = meters.rss_kib("VmHWM")
+    assert raised >= rss + (48 << 10)
+    assert meters.reset_peak_rss() and meters.rss_kib("VmHWM") < raised - (32 << 10)  # the reset brought it down
 
 
 def test_modes_round_trip_their_arm_names():
