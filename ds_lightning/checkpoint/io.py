@@ -16,9 +16,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from ds_lightning.checkpoint.layout import remove_path, write_meta
+from ds_lightning.checkpoint.layout import SavedShards, rank_key, remove_path, saved_entries, write_meta
 
-__all__ = ["ShardedGroup", "ShardedWriter", "load_into", "save_sharded"]
+__all__ = ["ShardedGroup", "ShardedWriter", "load_into", "load_rank_state", "save_sharded"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,20 @@ def load_into(targets: dict[str, Any], path: os.PathLike[str] | str, group: Shar
     Collective over ``group`` unless ``no_dist``. A key of ``targets`` the folder lacks fails (DCP's strict planner).
     """
     dcp.load(targets, storage_reader=FileSystemReader(path), process_group=group.process_group, no_dist=group.no_dist)
+
+
+def load_rank_state(source: SavedShards, rank: int, group: ShardedGroup) -> dict[str, Any] | None:
+    """``rank``'s part of a :class:`~ds_lightning.checkpoint.layout.PerRankState` entry, read by this process alone.
+
+    Collective over ``group`` (unless ``no_dist``): every rank calls it, also one with no part. Returns ``None`` when
+    the folder holds no part for ``rank`` (written at a smaller world size, or with an empty state).
+    """
+    part: dict[str, Any] = {}
+    for path, placeholder in saved_entries(source, under=(rank_key(rank),)):
+        node = part
+        for name in path[:-1]:
+            node = node.setdefault(name, {})
+        node[path[-1]] = placeholder
+    targets = {source.key: {rank_key(rank): part}} if part else {}
+    load_into(targets, source.path, group)
+    return part or None

@@ -26,18 +26,22 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = [
     "META_FILENAME",
     "MODEL_KEY",
+    "PerRankState",
     "SavedShards",
     "atomic_save",
     "holds_optimizer_state",
     "is_sharded_checkpoint",
     "optimizer_key",
+    "rank_key",
     "read_checkpoint",
     "read_part",
     "remove_path",
+    "saved_entries",
     "split_checkpoint",
     "write_meta",
 ]
@@ -76,31 +80,70 @@ class SavedShards:
     key: str
 
 
+@dataclass(frozen=True)
+class PerRankState:
+    """A value of Lightning's checkpoint dict that differs per rank: each rank writes its own ``state`` in the folder.
+
+    Attributes:
+        rank: the writing rank (its part is ``"rank_<rank>"`` under the entry's key).
+        state: tensors and plain values (nested dicts; an empty dict is not written, so loaders take it as absent).
+
+    """
+
+    rank: int
+    state: dict[str, Any]
+
+
+def rank_key(rank: int) -> str:
+    """The key of ``rank``'s part under a :class:`PerRankState` entry."""
+    return f"rank_{rank}"
+
+
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Lightning's checkpoint dict as ``(tensor state for DCP, the rest for meta.pt)``(``checkpoint`` is kept)."""
+    """Lightning's checkpoint dict as ``(this rank's state for DCP, the rest for meta.pt)`` (``checkpoint`` is kept)."""
     meta = dict(checkpoint)
     state: dict[str, Any] = {MODEL_KEY: meta.pop("state_dict", {})}
     for index, optimizer_state in enumerate(meta.pop("optimizer_states", [])):
         state[optimizer_key(index)] = optimizer_state
+    for key, value in checkpoint.items():
+        if isinstance(value, PerRankState):
+            state[key] = {rank_key(value.rank): meta.pop(key).state}
     return state, meta
+
+
+def _saved_paths(path: Path) -> dict[tuple[Any, ...], Any]:
+    """Each entry of the folder's DCP files: its path in the saved state dict -> its storage metadata."""
+    metadata = FileSystemReader(path).read_metadata()
+    paths = metadata.planner_data or {}
+    return {tuple(paths.get(flat, flat.split("."))): saved for flat, saved in metadata.state_dict_metadata.items()}
 
 
 def saved_keys(path: Path) -> set[str]:
     """The top-level keys the folder's DCP files hold (``"model"``, ``"optimizer_0"``, ...)."""
-    metadata = FileSystemReader(path).read_metadata()
-    paths = metadata.planner_data or {}
-    return {str(paths[key][0]) if key in paths else key.split(".", 1)[0] for key in metadata.state_dict_metadata}
+    return {str(saved_path[0]) for saved_path in _saved_paths(path)}
 
 
 def holds_optimizer_state(source: SavedShards) -> bool:
     """Whether the optimizer part ``source`` holds any per-parameter state (none when saved before its first step)."""
-    metadata = FileSystemReader(source.path).read_metadata()
-    paths = metadata.planner_data or {}
-    prefix = f"{source.key}.state."
-    return any(
-        tuple(paths[key][:2]) == (source.key, "state") if key in paths else key.startswith(prefix)
-        for key in metadata.state_dict_metadata
-    )
+    return any(saved_path[:2] == (source.key, "state") for saved_path in _saved_paths(source.path))
+
+
+def saved_entries(source: SavedShards, under: tuple[str, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    """``(path below source.key + under, placeholder)`` for each entry of the part saved below that path.
+
+    Placeholders are zero tensors of the saved shape and dtype, ``None`` for other values: DCP fills both in place.
+    """
+    prefix = (source.key, *under)
+    entries = []
+    for saved_path, saved in _saved_paths(source.path).items():
+        if saved_path[: len(prefix)] != prefix:
+            continue
+        if isinstance(saved, TensorStorageMetadata):
+            placeholder: Any = torch.zeros(saved.size, dtype=saved.properties.dtype)
+        else:
+            placeholder = None
+        entries.append((saved_path[len(prefix) :], placeholder))
+    return entries
 
 
 def read_checkpoint(path: str | os.PathLike[str], weights_only: bool | None = None) -> dict[str, Any]:
@@ -121,6 +164,8 @@ def read_checkpoint(path: str | os.PathLike[str], weights_only: bool | None = No
     optimizers = sorted(int(m.group(1)) for key in keys if (m := _OPTIMIZER_KEY.match(key)))
     if optimizers:
         checkpoint["optimizer_states"] = [SavedShards(folder, optimizer_key(i)) for i in range(len(optimizers))]
+    for key in keys - {MODEL_KEY} - {optimizer_key(i) for i in optimizers}:
+        checkpoint[key] = SavedShards(folder, key)  # a PerRankState entry: each rank loads its own part
     return checkpoint
 
 

@@ -18,13 +18,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.optim import Optimizer
 
 from ds_lightning.checkpoint.io import ShardedGroup, load_into
-from ds_lightning.checkpoint.layout import SavedShards
+from ds_lightning.checkpoint.layout import SavedShards, saved_entries
 from ds_lightning.sharding.zero import load_sharded_states
 
 __all__ = ["load_zero_partitions", "owned_targets", "zero_partition_state"]
@@ -69,31 +67,11 @@ def zero_partition_state(module: nn.Module, optimizer: Optimizer) -> dict[str, A
     return {"state": state, "param_groups": groups}
 
 
-def _saved_entries(source: SavedShards) -> list[tuple[tuple[Any, ...], Any]]:
-    """``(path under source.key, placeholder)`` for each entry of the part.
-
-    Placeholders are zero tensors of the saved shape and dtype, ``None`` for other values: DCP fills both.
-    """
-    metadata = FileSystemReader(source.path).read_metadata()
-    paths = metadata.planner_data or {}
-    entries = []
-    for flat, saved in metadata.state_dict_metadata.items():
-        path = tuple(paths.get(flat, (flat,)))
-        if path[0] != source.key:
-            continue
-        if isinstance(saved, TensorStorageMetadata):
-            placeholder: Any = torch.zeros(saved.size, dtype=saved.properties.dtype)
-        else:
-            placeholder = None
-        entries.append((path[1:], placeholder))
-    return entries
-
-
 def owned_targets(source: SavedShards, owned: set[str]) -> dict[str, Any]:
     """What this rank reads of ``source``: the owned FQNs' state and every param group's entries."""
     state: dict[str, dict[str, Any]] = {}
     groups: dict[int, dict[str, Any]] = {}
-    for path, placeholder in _saved_entries(source):
+    for path, placeholder in saved_entries(source):
         if path[0] == "state" and len(path) == 3 and path[1] in owned:
             state.setdefault(str(path[1]), {})[str(path[2])] = placeholder
         elif path[0] == "param_groups" and len(path) == 3:

@@ -29,6 +29,7 @@ from ds_lightning.checkpoint.options import StateDictType
 from ds_lightning.checkpoint.strategy_hooks import sharded_parts
 from ds_lightning.comm.auto import AutoState
 from ds_lightning.comm.compression import GradientCompressor, get
+from ds_lightning.comm.compression.checkpoint_state import add_compression_state, load_compression_state
 from ds_lightning.comm.hierarchical import HierarchicalSetting, host_groups
 from ds_lightning.data.eval_shards import uneven_batch_counts
 from ds_lightning.data.even_batches import even_batches
@@ -51,7 +52,6 @@ log = logging.getLogger(__name__)
 
 __all__ = ["MirroredStrategy"]
 
-_CHECKPOINT_KEY = "ds_mirrored"
 _COLLECTIVE_FAILURE = re.compile(r"timed? ?out|timeout|pair closure|connection closed|connection reset", re.IGNORECASE)
 
 
@@ -394,14 +394,8 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if self._compressor.method.checkpointed and dist.is_available() and dist.is_initialized():
-            # Error feedback differs per rank: gather every rank's state into the one consolidated file.
-            states: list[Any] = [None] * self.world_size
-            dist.all_gather_object(states, self._compressor.state_dict())
-            checkpoint[_CHECKPOINT_KEY] = {
-                "gradient_compression": self.gradient_compression,
-                "world_size": self.world_size,
-                "compression_states": states,
-            }
+            sharded = self.state_dict_type == "sharded"  # then each rank writes its own state: nothing is gathered
+            add_compression_state(checkpoint, self._compressor, self.gradient_compression, sharded)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
@@ -415,22 +409,9 @@ class MirroredStrategy(FullyShardedSteps, ClusterStrategy):
             load_sharded_states(self.optimizers, checkpoint["optimizer_states"])
         else:
             super().load_optimizer_state_dict(checkpoint)
-        if not self._compressor.method.checkpointed:
-            return
-        saved = checkpoint.get(_CHECKPOINT_KEY)
-        if saved is None or saved.get("gradient_compression") != self.gradient_compression:
-            rank_zero_warn(
-                f"The checkpoint holds no gradient_compression={self.gradient_compression!r} state; PowerSGD's error"
-                " feedback starts from zero (and auto from its set-up decision)."
-            )
-            return
-        if saved["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"The checkpoint's compression state is for {saved['world_size']} ranks, this run has"
-                f" {self.world_size}; error feedback starts from zero."
-            )
-            return
-        self._compressor.load_state_dict(saved["compression_states"][self.global_rank], device=self.root_device)
+        if self._compressor.method.checkpointed:
+            group = self.sharded_checkpoint_group()
+            load_compression_state(checkpoint, self._compressor, self.gradient_compression, group, self.root_device)
 
     # --- errors ---------------------------------------------------------------------------------------------------
 

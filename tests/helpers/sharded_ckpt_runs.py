@@ -6,6 +6,7 @@ Usage: ``python -m tests.helpers.sharded_ckpt_runs SPEC.json``. The spec is back
 - ``kill_in_write_at_step``: every rank exits with ``DIED`` inside DCP's write of the backup of that step, once its
   own part is on disk and before the backup is committed (a kill mid-write);
 - ``skip_optimizer_restore``: a restore leaves the optimizer state as it starts (the control of exact resume);
+- ``skip_compression_restore``: a restore leaves gradient compression's state (PowerSGD's error feedback) as it starts;
 - ``save_at_train_start``: every rank saves a checkpoint to that path as training starts, before any optimizer step;
 - ``state_at_train_start``: every rank asks torch's ``get_optimizer_state_dict`` for the optimizer's state as training
   starts, which creates it with a counted zero-lr step (the control of a save before the first step).
@@ -55,6 +56,16 @@ def skip_optimizer_restore() -> None:
     ChiefCheckpoints.load_optimizer_state_dict = resume_without_optimizer  # type: ignore[method-assign]
 
 
+def skip_compression_restore() -> None:
+    """Restores leave gradient compression's per-rank state as it starts (zero error feedback)."""
+    from ds_lightning.comm.compression import GradientCompressor
+
+    def keep_fresh(self: Any, state: Any, device: Any = None) -> None:
+        return None
+
+    GradientCompressor.load_state_dict = keep_fresh  # type: ignore[method-assign]
+
+
 def at_train_start(save_to: str | None, torch_state: bool) -> None:
     """Save a checkpoint to ``save_to``, or create the optimizer state torch's way, as training starts."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -79,6 +90,8 @@ def main(spec_path: str) -> None:
         kill_in_write(int(spec["kill_in_write_at_step"]))
     if spec.get("skip_optimizer_restore"):
         skip_optimizer_restore()
+    if spec.get("skip_compression_restore"):
+        skip_compression_restore()
     backup_runs.main(spec_path)
 
 

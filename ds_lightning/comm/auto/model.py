@@ -76,7 +76,7 @@ class LinkFigures:
             world_size=int(data["world_size"]),
             float32=AllReduceFit(**data["float32"]),
             float16=AllReduceFit(**data["float16"]),
-            compress_s={str(k): float(v) for k, v in data["compress_s"].items()},
+            compress_s={str(k): float(v) for k, v in data.get("compress_s", {}).items()},  # none: not saved
         )
 
 

@@ -75,8 +75,9 @@ class PowerSGDState:
     def load_state_dict(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         """Restore :meth:`state_dict`'s output, moving tensors to ``device``."""
         self.iter = int(state["iter"])
-        self.error = {int(k): v.to(device) for k, v in state["error"].items()}
-        self.q_memory = {int(k): v.to(device) for k, v in state["q_memory"].items()}
+        # A sharded checkpoint writes no empty dict (DCP stores leaves) and string keys: absent means none yet.
+        self.error = {int(k): v.to(device) for k, v in state.get("error", {}).items()}
+        self.q_memory = {int(k): v.to(device) for k, v in state.get("q_memory", {}).items()}
 
 
 def _bucket_views(bucket: dist.GradBucket) -> list[tuple[Tensor, Tensor]]:
