@@ -20,7 +20,7 @@ from lightning.fabric.utilities.types import _PATH
 from typing_extensions import override
 
 from ds_lightning.backup.store import BackupStore
-from ds_lightning.checkpoint.io import ShardedGroup, save_sharded
+from ds_lightning.checkpoint.io import ShardedGroup, write_parts
 from ds_lightning.checkpoint.layout import remove_path
 
 __all__ = ["BackupWriter"]
@@ -107,13 +107,13 @@ class BackupWriter(CheckpointIO):
             # Before DCP's first collective, so no rank has written into it yet: leftovers of a killed write go.
             remove_path(folder)
             folder.mkdir(parents=True, exist_ok=True)
-        background = group if group.no_dist else None
+        background = group if group.no_dist and group.remote_writer is None else None
         if group.process_group is None and not group.no_dist and self.async_group is not None:
             background = ShardedGroup(group.saves, self.async_group, False, group.coordinator)
-        if not self.async_save or background is None:
-            save_sharded(state, {}, folder, ShardedGroup(group.saves, group.process_group, group.no_dist, False))
+        if not self.async_save or background is None:  # the parameter servers' writes are synchronous too
+            written = write_parts(state, folder, group)
             if group.coordinator:
-                self.store.commit_folder(meta, folder, path)
+                self.store.commit_folder({**meta, **written}, folder, path)
             return
         meta = _detached_copy(meta)  # written after the parts, while training goes on changing its tensors
         upload = dcp.async_save(

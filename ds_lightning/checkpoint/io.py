@@ -8,6 +8,7 @@ tensors it holds, in its current layout, and DCP reads the pieces (resharding ac
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -18,7 +19,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 from ds_lightning.checkpoint.layout import SavedShards, rank_key, remove_path, saved_entries, write_meta
 
-__all__ = ["ShardedGroup", "ShardedWriter", "load_into", "load_rank_state", "save_sharded"]
+__all__ = ["ShardedGroup", "ShardedWriter", "load_into", "load_rank_state", "save_sharded", "write_parts"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class ShardedGroup:
             which holds the servers' state).
         coordinator: whether this process writes ``meta.pt`` (exactly one per checkpoint; DCP's coordinator is rank 0
             of ``process_group``, which must be this process).
+        remote_writer: other processes write the DCP files in place of this one (the parameter servers): called with
+            this process's part and the folder, it returns entries for ``meta.pt``. ``None``: DCP writes here.
 
     """
 
@@ -40,6 +43,7 @@ class ShardedGroup:
     process_group: dist.ProcessGroup | None = None
     no_dist: bool = False
     coordinator: bool = True
+    remote_writer: Callable[[dict[str, Any], Path], dict[str, Any]] | None = None
 
     @classmethod
     def every_rank(cls, is_global_zero: bool) -> ShardedGroup:
@@ -56,6 +60,17 @@ class ShardedWriter(Protocol):
         """Write ``state`` (this rank's part, via DCP) and ``meta`` (on the coordinator) as the folder ``path``."""
 
 
+def write_parts(state: dict[str, Any], path: Path, group: ShardedGroup) -> dict[str, Any]:
+    """Write the DCP files into the existing folder ``path``, here or by ``group.remote_writer``; entries for meta.pt.
+
+    Collective over ``group`` (unless ``no_dist``). Ends once the files and ``.metadata`` are written.
+    """
+    if group.remote_writer is not None:
+        return group.remote_writer(state, path)
+    dcp.save(state, storage_writer=FileSystemWriter(path), process_group=group.process_group, no_dist=group.no_dist)
+    return {}
+
+
 def save_sharded(state: dict[str, Any], meta: dict[str, Any], path: Path, group: ShardedGroup) -> None:
     """Write the folder ``path`` synchronously: DCP files from every saving rank, then ``meta.pt`` from the coordinator.
 
@@ -66,10 +81,10 @@ def save_sharded(state: dict[str, Any], meta: dict[str, Any], path: Path, group:
         # Before DCP's first collective: no rank writes a file until every rank has planned, so none is removed here.
         remove_path(path)
         path.mkdir(parents=True, exist_ok=True)
-    dcp.save(state, storage_writer=FileSystemWriter(path), process_group=group.process_group, no_dist=group.no_dist)
+    written = write_parts(state, path, group)
     if group.coordinator:
         # DCP's coordinator wrote .metadata after every rank's files were written: the data is complete.
-        write_meta(meta, path)
+        write_meta({**meta, **written}, path)
 
 
 def load_into(targets: dict[str, Any], path: os.PathLike[str] | str, group: ShardedGroup) -> None:

@@ -93,3 +93,16 @@ def connect_servers(
     if "error" in made:
         raise made["error"]
     return made["pg"]
+
+
+def connect_server_group(tf: TFConfig | None, server_index: int, num_servers: int, timeout_seconds: float) -> None:
+    """Make the servers' own gloo group this server process's default one: sharded checkpoints are saved over it.
+
+    Formed after the channel (:func:`connect_servers`, whose generation it shares), on the same rendezvous store. Only
+    the servers take part, so ``torch.distributed.checkpoint`` coordinates their writes with no worker involved.
+    """
+    address, port = store_address(tf)
+    timeout = timedelta(seconds=timeout_seconds)
+    store = dist.TCPStore(address, port, is_master=False, timeout=timeout)
+    prefix = dist.PrefixStore(f"ds_parameter_server/{store_round()}/{_GENERATION[0]}/servers/", store)
+    dist.init_process_group("gloo", store=prefix, rank=server_index, world_size=num_servers, timeout=timeout)

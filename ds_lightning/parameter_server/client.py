@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,7 +111,9 @@ class ServerClient:
         except Exception as error:
             raise self._lost(server, doing, error) from error
 
-    def _ask_all(self, header: dict[str, Any], doing: str) -> list[tuple[dict[str, Any], list[Tensor], int]]:
+    def _ask_all(
+        self, header: dict[str, Any], doing: str, to_first: Sequence[Tensor] = ()
+    ) -> list[tuple[dict[str, Any], list[Tensor], int]]:
         if header["op"] == "pull":
             for server in range(self.plan.num_servers):
                 if self._next_pull[server] is False:
@@ -126,7 +128,7 @@ class ServerClient:
             if self._next_pull[server] is True:
                 # Answers come in order: read the pull's answer first, and keep it for the next training step.
                 self._next_pull[server] = self._recv(server, doing)
-            self._send(server, header, [], doing)
+            self._send(server, header, list(to_first) if server == 0 else [], doing)
         return [self._recv(server, doing) for server in range(self.plan.num_servers)]
 
     # --- requests -------------------------------------------------------------------------------------------------
@@ -201,6 +203,26 @@ class ServerClient:
         """Every server's shard, optimizer state, scheduler state and progress (chief only)."""
         replies = self._ask_all({"op": "state"}, "saving a checkpoint")
         return [ShardState.from_message(header, tensors) for header, tensors, _ in replies]
+
+    def save(self, path: str, group_names: list[list[str]], chief_model: Mapping[str, Tensor]) -> list[dict[str, Any]]:
+        """Have every server write its part of a sharded checkpoint into ``path``; their answers (chief only).
+
+        Server 0 also writes ``chief_model`` (state no server holds) and the param groups, named by ``group_names``.
+
+        Raises:
+            RuntimeError: when a server could not write its part, with its error.
+
+        """
+        header = {"op": "save", "path": path, "group_names": group_names, "chief_model": list(chief_model)}
+        replies = self._ask_all(header, "saving a sharded checkpoint", to_first=list(chief_model.values()))
+        for server, (answer, _, _) in enumerate(replies):
+            if answer.get("error"):
+                raise RuntimeError(
+                    f"Parameter server {server} could not write its part of the sharded checkpoint {path}:"
+                    f" {answer['error']}. Check that every server can write to that path (shared storage across"
+                    " machines), or use state_dict_type='full'."
+                )
+        return [answer for answer, _, _ in replies]
 
     def done(
         self, params: Mapping[str, Tensor], step: int, epoch: int, with_state: bool = False

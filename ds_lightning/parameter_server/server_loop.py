@@ -13,6 +13,8 @@ Requests (``op`` in the header), all from worker ``w``:
 * ``push``: a gradient computed on parameters of version ``basis``; with ``then_pull`` it also asks for the next
   pull, answered like ``pull``, so the answer is on its way while the worker finishes its step.
 * ``state``: everything a checkpoint needs.
+* ``save`` (chief only): write this server's part of a sharded checkpoint into ``path`` with the other servers
+  (:mod:`~ds_lightning.parameter_server.server_checkpoint`), then answer with the progress ``meta.pt`` records.
 * ``status``: which workers are alive.
 * ``done``: ``w`` finished; answer with the final shard once every worker finished or was lost, so each worker ends
   ``fit`` holding the same final parameters (with ``with_state``, also what ``state`` answers: the chief's last
@@ -26,6 +28,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -34,6 +37,7 @@ from torch import Tensor
 from ds_lightning.parameter_server.checkpoint import ServingProgress, ShardState, hyperparameters, jsonable
 from ds_lightning.parameter_server.optimizer_shard import ShardOptimizer
 from ds_lightning.parameter_server.push_compression import PushCompressor
+from ds_lightning.parameter_server.server_checkpoint import write_server_part
 from ds_lightning.parameter_server.staleness import StalenessClock, StalenessStats, SyncAccumulator, staleness_lr_factor
 from ds_lightning.parameter_server.tensor_messages import Pending, channel_capacity, post_message, recv_message
 
@@ -208,6 +212,8 @@ class ParameterServer:
             self._reply(worker, header)
         elif op == "state":
             self._send_state(worker)
+        elif op == "save":
+            self._save_part(worker, header, tensors)
         elif op == "status":
             self._reply(worker, header, with_params=False)
         elif op == "lost":
@@ -347,12 +353,26 @@ class ParameterServer:
             self._retire(worker, finished=False)
             log.warning("parameter server %d could not answer worker %d: %s", self.server, worker, error)
 
+    def _save_part(self, worker: int, header: dict[str, Any], tensors: list[Tensor]) -> None:
+        # Under the lock, as every request: serving pauses while this server writes (a consistent snapshot).
+        first = self.server == 0  # writes the chief's part too: the module state no server holds, the param groups
+        answer: dict[str, Any] = {"op": "save"}
+        try:
+            chief_model = dict(zip(header.get("chief_model", []), tensors, strict=True)) if first else {}
+            groups = header.get("group_names") if first else None
+            write_server_part(self.shard, self.shard.plan, Path(header["path"]), groups, chief_model)
+        except Exception as error:  # every server fails alike (DCP shares errors); the chief raises with this text
+            log.error("parameter server %d could not write its checkpoint part: %s", self.server, error)
+            answer["error"] = f"{type(error).__name__}: {error}"[:2000]
+        fields, _ = self._state(with_optimizer=False).to_message()
+        self._post(worker, {**answer, **fields}, [])
+
     def _send_state(self, worker: int) -> None:
         answer, tensors = self._state().to_message()
         self._post(worker, {"op": "state", **answer}, tensors)
 
-    def _state(self) -> ShardState:
-        entries, state = self.shard.export_state()
+    def _state(self, with_optimizer: bool = True) -> ShardState:
+        entries, state = self.shard.export_state() if with_optimizer else ([], [])
         return ShardState(
             flat=self.shard.flat,
             entries=entries,

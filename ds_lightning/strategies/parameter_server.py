@@ -32,7 +32,7 @@ from ds_lightning.environments.parameter_server_roles import (
     tf_config_servers,
     torchrun_part,
 )
-from ds_lightning.parameter_server.channel import connect_servers
+from ds_lightning.parameter_server.channel import connect_server_group, connect_servers
 from ds_lightning.parameter_server.checkpoint import ConsolidatedRun, ResumePoint, starting_shards
 from ds_lightning.parameter_server.chief_checkpoints import ChiefCheckpoints
 from ds_lightning.parameter_server.client import ServerClient
@@ -268,8 +268,10 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
 
     @override
     def setup_environment(self) -> None:
-        if self.is_server:
+        if self._server_index is not None:  # a server
             self._connect_servers()
+            if self.state_dict_type == "sharded" and self.num_servers > 1:  # the servers write their parts together
+                connect_server_group(self.tf_config, self._server_index, self.num_servers, self.timeout_seconds)
             return
         super().setup_environment()
         if self.fitting:

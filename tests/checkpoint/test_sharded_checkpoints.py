@@ -299,23 +299,51 @@ PS = {
     "strategy": "ds_parameter_server",
     "devices": 1,  # one worker: fewer processes on 2 cores; the servers' state is what the checkpoint carries
     "max_epochs": 1,  # 12 steps
-    "model": {"optimizer": "sgd", "lr": 0.05},
+    "model": {"optimizer": "sgd", "lr": 0.05, "buffer": True},
     "strategy_kwargs": {"max_staleness": 0, "num_servers": 2, "min_shard_bytes": 1, **SHARDED},
     "backup": {"every_n_train_steps": 4, "keep": 3},
 }
 
 
+def tensor_entries_per_file(folder: Path) -> dict[str, set[str]]:
+    """The tensor entries (flat key, first row) each DCP file of ``folder`` holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(folder).read_metadata()
+    held: dict[str, set[str]] = {}
+    for index, info in metadata.storage_data.items():
+        if isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata):
+            first_row = index.offset[0] if index.offset else 0
+            held.setdefault(info.relative_path, set()).add(f"{index.fqn}@{first_row}")
+    return held
+
+
 @pytest.mark.multiprocess
-def test_parameter_server_sharded_backup_resumes_exactly(tmp_path: Path) -> None:
-    """Bulk-synchronous, 2 servers, one worker: the chief writes the servers' state as a sharded folder (one DCP file,
-    no collective); restarted from its step-4 backup on 1 server, the run ends as the uninterrupted one (1e-6).
-    Control: the same restart with the servers' momentum left fresh ends far off."""
+def test_parameter_server_servers_write_their_rows_and_resume_exactly(tmp_path: Path) -> None:
+    """Bulk-synchronous, 2 servers, one worker: each server writes its own rows of the parameters and the momentum
+    (server s's file holds exactly the rows the shard plan gives it; server 0 also the buffer the chief sent), the
+    chief only ``meta.pt``; restarted from the step-4 backup on 1 server, the run ends as the uninterrupted one
+    (1e-6). Control: the same restart with the servers' momentum left fresh ends far off."""
+    from ds_lightning.parameter_server.sharding import plan_shards
+
     train(tmp_path, "ref", PS)
     backup = BackupStore(tmp_path / "ref_backups", keep=3).path_for(4)
-    assert is_sharded_checkpoint(backup) and [p.name for p in backup.glob("*.distcp")] == ["__0_0.distcp"]
+    assert is_sharded_checkpoint(backup)
+    plan = plan_shards(dict(Net().named_parameters()), 2, min_shard_bytes=1)
+    expected: dict[str, set[str]] = {"__0_0.distcp": {"model.marker@0"}, "__1_0.distcp": set()}
+    for piece in plan.slices:
+        for key in (f"model.{piece.name}", f"optimizer_0.state.{piece.name}.momentum_buffer"):
+            expected[f"__{piece.server}_0.distcp"].add(f"{key}@{piece.rows[0]}")
+    assert any(piece.rows[0] > 0 for piece in plan.slices)  # some parameters are split by rows across the servers
+    assert tensor_entries_per_file(backup) == expected
+    meta = torch.load(backup / META_FILENAME, weights_only=False)
+    assert "state_dict" not in meta and "optimizer_states" not in meta
+    assert meta["ds_parameter_server"]["updates"] == 4 and meta["ds_parameter_server"]["num_servers"] == 2
     momentum = read_part(SavedShards(backup, "optimizer_0"))["state"]
-    assert "net.0.0.weight" in momentum and "momentum_buffer" in momentum["net.0.0.weight"]
-    one_server = {**PS, "strategy_kwargs": {**PS["strategy_kwargs"], "num_servers": 1}}
+    assert momentum["net.0.0.weight"]["momentum_buffer"].shape == (16, 12)
+    torch.testing.assert_close(read_part(SavedShards(backup, "model"))["marker"], torch.arange(5.0))
+    one_server = {**PS, "strategy_kwargs": {**PS["strategy_kwargs"], "num_servers": 1}}  # type: ignore[dict-item]
     difference = {}
     for name, spec in (("resume", one_server), ("control", {**one_server, "skip_optimizer_restore": True})):
         shutil.copytree(backup, tmp_path / f"{name}_backups" / backup.name)  # the run's only backup: step 4

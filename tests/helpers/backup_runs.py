@@ -74,13 +74,22 @@ class Net(pl.LightningModule):
     """A small MLP meeting the ds_pipeline contract (``net`` and ``pipeline_loss``), trained by every strategy."""
 
     def __init__(
-        self, optimizer: str = "adam", lr: float = 0.01, dropout: float = 0.0, lr_step_size: int = 3, noise: float = 0.0
+        self,
+        optimizer: str = "adam",
+        lr: float = 0.01,
+        dropout: float = 0.0,
+        lr_step_size: int = 3,
+        noise: float = 0.0,
+        buffer: bool = False,
     ) -> None:
         """``dropout`` draws from torch's generator; ``noise`` scales each step's loss by draws from Python's and
-        NumPy's, so every random state a backup holds changes the trained parameters."""
+        NumPy's, so every random state a backup holds changes the trained parameters. ``buffer`` adds a buffer
+        (module state no parameter server holds)."""
         super().__init__()
         torch.manual_seed(0)
         self.noise = noise
+        if buffer:
+            self.register_buffer("marker", torch.arange(5, dtype=torch.float32))
         layers: list[nn.Module] = [nn.Sequential(nn.Linear(FEATURES, 16), nn.Tanh(), nn.Dropout(dropout))]
         layers += [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2)]
         self.net = nn.Sequential(*layers, nn.Linear(16, CLASSES))
