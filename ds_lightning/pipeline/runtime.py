@@ -36,7 +36,6 @@ class _Pipeline:
 
     def __init__(self, stages: list[_PipelineStageBase], schedule: Any) -> None:
         self.schedule = schedule
-        self.stages = stages
         self.has_first = any(stage.is_first for stage in stages)
         self.has_last = any(stage.is_last for stage in stages)
         # Set when the first stage posts the output's receive after its first backward (see PipelineRuntime._run).
