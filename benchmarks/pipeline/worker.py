@@ -12,7 +12,7 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -251,13 +251,53 @@ def _spans_from_chrome(path: Path) -> list[list[Any]]:
     return spans
 
 
+def _timer(spec: dict[str, Any]) -> Any:
+    """The harness's step clock; the activation peak and CPU clock start with the first timed step (Lightning's work
+    between steps is inside the CPU time)."""
+    from benchmarks.harness.timing import StepTimer
+
+    class Timer(StepTimer):
+        cpu = 0.0
+        cpu_ms: float | None = None
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            if len(self.step_ms) == self.warmup:
+                METER.reset_peak()
+                self.cpu = time.process_time()
+            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
+            if len(self.step_ms) == self.warmup + spec["steps"]:
+                self.cpu_ms = 1000 * (time.process_time() - self.cpu) / spec["steps"]
+
+    return Timer(spec["warmup"])
+
+
+def _fit_timed(spec: dict[str, Any], module: Any, strategy: Any, **trainer_kwargs: Any) -> tuple[Any, Any]:
+    """Fit ``module`` for warm-up + timed steps on p processes; the trainer and its timer.
+
+    The hand-written loop indexes ready-made batches; the Trainer gets the same ones (batch_size=None: no per-sample
+    fetch and collation, which would cost every rank CPU the hand-written loop never spends, taken from the stages
+    when there are more processes than cores).
+    """
+    from torch.utils.data import DataLoader
+
+    from benchmarks.harness.trainer import quiet_trainer
+
+    timer, steps = _timer(spec), spec["warmup"] + spec["steps"]
+    trainer = quiet_trainer(
+        accelerator="cpu", devices=spec["procs"], strategy=strategy, max_steps=steps, callbacks=[timer],
+        **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(cast(Any, batches(spec)), batch_size=None))  # a list of batches serves as a dataset
+    return trainer, timer
+
+
 def run_ds(spec: dict[str, Any]) -> None:
     import lightning.pytorch as pl
-    from torch.utils.data import DataLoader, TensorDataset
 
     import ds_lightning
-    from benchmarks.harness.timing import StepTimer
-    from benchmarks.harness.trainer import quiet_trainer
 
     class BenchModule(pl.LightningModule):
         def __init__(self) -> None:
@@ -273,39 +313,72 @@ def run_ds(spec: dict[str, Any]) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return make_optimizer(spec, self.parameters())
 
-    class Timer(StepTimer):
-        """The harness's clock; the activation peak and CPU clock start with the first timed step (Lightning's work
-        between steps is inside the CPU time)."""
-
-        cpu = 0.0
-        cpu_ms: float | None = None
-
-        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
-            if len(self.step_ms) == self.warmup:
-                METER.reset_peak()
-                self.cpu = time.process_time()
-            super().on_train_batch_start(trainer, pl_module, batch, batch_idx)
-
-        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            super().on_train_batch_end(trainer, pl_module, outputs, batch, batch_idx)
-            if len(self.step_ms) == self.warmup + spec["steps"]:
-                self.cpu_ms = 1000 * (time.process_time() - self.cpu) / spec["steps"]
-
-    p, (x, y), loss = spec["procs"], make_data(spec), loss_fn(spec)
-    rank = 0
+    p, loss, rank = spec["procs"], loss_fn(spec), 0
     for cfg in spec["configs"]:
         trace = Path(spec["out_dir"]) / "ds_traces" / f"{cfg['schedule']}_m{cfg['m']}.json"
-        timer = Timer(spec["warmup"])
         strategy = ds_lightning.PipelineStrategy(
             schedule=cfg["schedule"], n_microbatches=cfg["m"], balance=stage_balance(spec, p), trace_path=str(trace),
             trace_steps=spec["trace_steps"], timeout=float(spec["dist_timeout"]),
         )  # fmt: skip
-        steps = spec["warmup"] + spec["steps"]
-        trainer = quiet_trainer(accelerator="cpu", devices=p, strategy=strategy, max_steps=steps, callbacks=[timer])
-        trainer.fit(BenchModule(), DataLoader(TensorDataset(x, y), batch_size=spec["batch"], drop_last=True))
+        trainer, timer = _fit_timed(spec, BenchModule(), strategy)
         rank = trainer.global_rank
         spans = _spans_from_chrome(trace) if rank == 0 and trace.exists() else []
         record(spec, rank, cfg, timer.step_ms[spec["warmup"] :], spans=spans, cpu_ms=timer.cpu_ms)
+    leave(spec, rank, p)
+
+
+def run_lightning(spec: dict[str, Any]) -> None:
+    """The hand-written loop's stage and schedule, called from ``training_step`` of a Lightning Trainer: what
+    Lightning's own loop costs around a pipeline, with nothing of ds_pipeline. Manual optimization (the schedule runs
+    the backward), so Lightning's automatic-optimization closure, which ds_pipeline pays, is not counted here."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    from ds_lightning.pipeline.stage import TracedStage
+
+    class Unwrapped(DDPStrategy):
+        """Lightning's launch, process group and loop; the module is not wrapped in DDP (every rank holds another
+        stage, which DDP would overwrite with rank 0's)."""
+
+        def configure_ddp(self) -> None:
+            pass
+
+    class HandModule(pl.LightningModule):
+        def __init__(self, cfg: dict[str, Any]) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+            self.cfg = cfg
+
+        def configure_model(self) -> None:
+            if not hasattr(self, "blocks"):
+                self.blocks = stage_blocks(make_net(spec), self.global_rank, p, spec)
+
+        def on_fit_start(self) -> None:
+            stage = TracedStage(self.blocks, self.global_rank, p, torch.device("cpu"))
+            kind = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[self.cfg["schedule"]]
+            self.schedule = kind(stage, n_microbatches=self.cfg["m"], loss_fn=loss, scale_grads=True)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            rank, losses = self.global_rank, cast(list[torch.Tensor], [])
+            last = {"target": y, "losses": losses} if rank == p - 1 else {}
+            self.schedule.step(*([x] if rank == 0 else []), **last)
+            optimizer = cast(Any, self.optimizers())  # the one optimizer configure_optimizers returns
+            optimizer.step()
+            optimizer.zero_grad()
+            # The step's loss where it is known (the last stage); the harness's clock reads one from every rank.
+            return torch.stack(losses).mean() if losses else torch.full((), float("nan"))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return make_optimizer(spec, self.parameters())
+
+    p, loss, rank = spec["procs"], loss_fn(spec), 0
+    for cfg in spec["configs"]:
+        strategy = Unwrapped(process_group_backend="gloo", timeout=timedelta(seconds=spec["dist_timeout"]))
+        trainer, timer = _fit_timed(spec, HandModule(cfg), strategy, use_distributed_sampler=False)
+        rank = trainer.global_rank
+        record(spec, rank, cfg, timer.step_ms[spec["warmup"] :], cpu_ms=timer.cpu_ms)
     leave(spec, rank, p)
 
 
@@ -326,4 +399,4 @@ def leave(spec: dict[str, Any], rank: int, ranks: int) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     spec = json.loads(Path(sys.argv[1]).read_text())
-    {"single": run_single, "hand": run_hand, "ds": run_ds}[spec["impl"]](spec)
+    {"single": run_single, "hand": run_hand, "lightning": run_lightning, "ds": run_ds}[spec["impl"]](spec)

@@ -60,7 +60,7 @@ def _result(folder: Path, stem: str, commit: str, repeats: int = 3, quick: bool 
 def test_summary_flags_mixed_commits_few_launches_and_the_budget(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(bench_all, "package_state", lambda: {"commit": "a" * 40, "uncommitted": []})
     _result(tmp_path, "mirrored", "a" * 40, repeats=5)
-    _result(tmp_path, "pipeline", "a" * 40)
+    _result(tmp_path, "pipeline", "a" * 40, repeats=5)  # its default
     _result(tmp_path, "precision", "b" * 40, repeats=1, quick=True)
     targets = ["bench-mirrored", "bench-pipeline", "bench-precision", "bench-precision-ops", "bench-collectives"]
     data = bench_all.build(targets, [], tmp_path)
@@ -111,7 +111,7 @@ def test_results_committed_after_the_run_stay_current_until_measured_code_change
     monkeypatch.setattr(bench_all, "package_state", lambda: {"commit": "f" * 40, "uncommitted": []})
     monkeypatch.setattr(bench_all, "changed_since", lambda commit, paths: changed.get(commit))
     _result(tmp_path, "mirrored", "d" * 40)
-    _result(tmp_path, "pipeline", "d" * 40)
+    _result(tmp_path, "pipeline", "d" * 40, repeats=5)
     data = bench_all.build(["bench-mirrored", "bench-pipeline"], [], tmp_path)
     assert data["commits"]["code_unchanged"] == "yes" and all(f["flags"] == [] for f in data["files"])
     assert "All 2 results files were measured at dddddddddd, none flagged" in "\n".join(bench_all.markdown(data))
@@ -129,7 +129,7 @@ def test_a_change_to_one_benchmark_leaves_the_others_results_current(tmp_path: P
 
     monkeypatch.setattr(bench_all, "package_state", lambda: {"commit": "f" * 40, "uncommitted": []})
     monkeypatch.setattr(bench_all, "changed_since", changed)
-    _result(tmp_path, "pipeline", "d" * 40)
+    _result(tmp_path, "pipeline", "d" * 40, repeats=5)
     _result(tmp_path, "faults", "d" * 40)
     data = bench_all.build(["bench-pipeline", "bench-faults"], [], tmp_path)
     flags = {f["file"]: f["flags"] for f in data["files"]}

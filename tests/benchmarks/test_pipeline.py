@@ -91,6 +91,11 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
                 "configs": {config_key("hand", 2, "GPipe", 1): _config(125, [2 * mb, 3 * mb], 2 * mb, cpu_ms=210)},
             },
             {
+                "arm": "lightning p=2",
+                "repeat": repeat,
+                "configs": {config_key("lightning", 2, "GPipe", 1): _config(110, [2 * mb, 3 * mb], 2 * mb, cpu_ms=220)},
+            },
+            {
                 "arm": "ds p=2",
                 "repeat": repeat,
                 "configs": {config_key("ds", 2, "GPipe", 1): _config(100, [2 * mb, 3 * mb], 2 * mb, cpu_ms=230)},
@@ -105,11 +110,12 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
     assert "byte-level GPT (4 layers, d_model 128, 4 heads, context 128)" in md
     assert "1,024 tokens per step" in md
     assert "5,120 tokens/s" in md  # single process: 8 x 128 tokens in 200 ms
-    assert "| 2 | GPipe | 1 | 200.0 | 125.0 | 100.0 | **0.800** met |" in md  # ds 100 ms / hand 125 ms
+    # ds 100 ms / hand 125 ms, and / the same loop in Lightning 110 ms
+    assert "| 2 | GPipe | 1 | 200.0 | 125.0 | 110.0 | 100.0 | **0.800** met | **0.909** met |" in md
     assert "| 2 | GPipe | 1 | 2.00 / 3.00 | 1.00 / 1.50 | 1.00 / 1.50 | 1 / 1 |" in md
-    # CPU per step, ranks summed: ds - hand = +20 ms
+    # CPU per step, ranks summed: ds - hand = +20 ms, ds - in Lightning = +10 ms
     assert "single process, whole batch: 190.0 ms." in md
-    assert "| 2 | GPipe | 1 | 210.0 | 230.0 | +20.0 |" in md
+    assert "| 2 | GPipe | 1 | 210.0 | 220.0 | 230.0 | +20.0 | +10.0 |" in md
     assert (tmp_path / "pipeline_gpt.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not (tmp_path / "pipeline.md").exists() and not (tmp_path / "pipeline.png").exists()
     summary = json.loads(json.dumps(Pipeline().summarise(data)))
@@ -117,7 +123,7 @@ def test_render_of_a_gpt_result_says_tokens_per_second(tmp_path: Path):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("impl", ["hand", "ds"])
+@pytest.mark.parametrize("impl", ["hand", "lightning", "ds"])
 def test_tiny_gpt_runs_both_schedules_with_activations_per_stage(impl: str, tmp_path: Path):
     opts = _opts(
         "--model",
