@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from ds_lightning.checkpoint.layout import SavedShards, rank_key, remove_path, saved_entries, write_meta
+from ds_lightning.checkpoint.layout import SavedShards, rank_key, remove_path, saved_entries, set_nested, write_meta
 
 __all__ = ["ShardedGroup", "ShardedWriter", "load_into", "load_rank_state", "save_sharded", "write_parts"]
 
@@ -103,10 +103,7 @@ def load_rank_state(source: SavedShards, rank: int, group: ShardedGroup) -> dict
     """
     part: dict[str, Any] = {}
     for path, placeholder in saved_entries(source, under=(rank_key(rank),)):
-        node = part
-        for name in path[:-1]:
-            node = node.setdefault(name, {})
-        node[path[-1]] = placeholder
+        set_nested(part, path, placeholder)
     targets = {source.key: {rank_key(rank): part}} if part else {}
     load_into(targets, source.path, group)
     return part or None

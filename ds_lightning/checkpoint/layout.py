@@ -99,6 +99,14 @@ def rank_key(rank: int) -> str:
     return f"rank_{rank}"
 
 
+def set_nested(state: dict[str, Any], path: tuple[Any, ...], value: Any) -> None:
+    """``state[path[0]][path[1]]... = value``, making the dicts on the way."""
+    node = state
+    for key in path[:-1]:
+        node = node.setdefault(key, {})
+    node[path[-1]] = value
+
+
 def split_checkpoint(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """Lightning's checkpoint dict as ``(this rank's state for DCP, the rest for meta.pt)`` (``checkpoint`` is kept)."""
     meta = dict(checkpoint)

@@ -15,7 +15,7 @@ consolidated into one file by Lightning's ``consolidate_checkpoint``.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,11 +25,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 from typing_extensions import override
 
-from ds_lightning.checkpoint.layout import MODEL_KEY, optimizer_key
+from ds_lightning.checkpoint.layout import MODEL_KEY, optimizer_key, set_nested
 from ds_lightning.parameter_server.checkpoint import hyperparameters
 from ds_lightning.parameter_server.optimizer_shard import ShardOptimizer
 from ds_lightning.parameter_server.sharding import ParameterShardPlan, ShardSlice
@@ -74,13 +74,29 @@ class RowBlock:
 
 
 class RowBlockPlanner(DefaultSavePlanner):
-    """DCP's default save planner, plus this process's :class:`RowBlock` chunks (kept out of the state dict)."""
+    """DCP's default save planner, plus this process's :class:`RowBlock` chunks (kept out of the state dict).
 
-    def __init__(self, blocks: Sequence[RowBlock]) -> None:
+    Args:
+        part: builds this process's ``(plain entries, row blocks)``. It is called in DCP's planning step, whose errors
+            DCP hands to every process of the save: a server that cannot build its part fails every server's save at
+            once, instead of leaving the others waiting for it until the group's timeout.
+
+    """
+
+    def __init__(self, part: Callable[[], tuple[dict[str, Any], list[RowBlock]]]) -> None:
         super().__init__()
-        self.blocks = list(blocks)
+        self._part = part
+        self.blocks: list[RowBlock] = []
+        self._by_index: dict[tuple[str, int], RowBlock] = {}
+
+    @override
+    def set_up_planner(
+        self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None, is_coordinator: bool = False
+    ) -> None:
+        entries, self.blocks = self._part()
         # Keyed by (key, first row): a server may hold several row blocks of one tensor.
         self._by_index = {(block.flat_key, block.first_row): block for block in self.blocks}
+        super().set_up_planner({**state_dict, **entries}, storage_meta, is_coordinator)
 
     @override
     def create_local_plan(self) -> SavePlan:
@@ -105,13 +121,6 @@ def _whole_rows(plan: ParameterShardPlan) -> dict[str, int]:
     return rows
 
 
-def _set(state: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
-    node = state
-    for key in path[:-1]:
-        node = node.setdefault(key, {})
-    node[path[-1]] = value
-
-
 def _place(
     path: tuple[str, ...],
     value: Tensor,
@@ -124,7 +133,7 @@ def _place(
     whole = piece.rows == (0, whole_rows)
     if value.dim() == 0 or not piece.shape or (whole and value.numel() != piece.numel):
         # A per-parameter scalar (Adam's step, the same on every piece; DCP writes one copy) or an unsplit tensor.
-        _set(state, path, value)
+        set_nested(state, path, value)
     elif value.numel() == piece.numel:
         size = torch.Size((whole_rows, *piece.shape[1:]))
         blocks.append(RowBlock(path, value.reshape(piece.shape).contiguous(), size, piece.rows[0]))
@@ -169,12 +178,16 @@ def write_server_part(
         chief_model: on server 0, the module state no server holds (buffers, frozen parameters), sent by the chief.
 
     """
-    state, blocks = server_part(shard, plan)
-    if group_names is not None:
-        groups = hyperparameters(shard.template.param_groups)
-        param_groups = [{**hyper, "params": list(names)} for hyper, names in zip(groups, group_names, strict=True)]
-        _set(state, (optimizer_key(0), "param_groups"), param_groups)
-    for name, value in chief_model.items():
-        _set(state, (MODEL_KEY, name), value)
+
+    def part() -> tuple[dict[str, Any], list[RowBlock]]:
+        state, blocks = server_part(shard, plan)
+        if group_names is not None:
+            groups = hyperparameters(shard.template.param_groups)
+            param_groups = [{**hyper, "params": list(names)} for hyper, names in zip(groups, group_names, strict=True)]
+            set_nested(state, (optimizer_key(0), "param_groups"), param_groups)
+        for name, value in chief_model.items():
+            set_nested(state, (MODEL_KEY, name), value)
+        return state, blocks
+
     alone = not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
-    dcp.save(state, storage_writer=FileSystemWriter(folder), planner=RowBlockPlanner(blocks), no_dist=alone)
+    dcp.save({}, storage_writer=FileSystemWriter(folder), planner=RowBlockPlanner(part), no_dist=alone)

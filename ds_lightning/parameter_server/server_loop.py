@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.distributed.checkpoint import CheckpointException
 
 from ds_lightning.parameter_server.checkpoint import ServingProgress, ShardState, hyperparameters, jsonable
 from ds_lightning.parameter_server.optimizer_shard import ShardOptimizer
@@ -361,7 +362,9 @@ class ParameterServer:
             chief_model = dict(zip(header.get("chief_model", []), tensors, strict=True)) if first else {}
             groups = header.get("group_names") if first else None
             write_server_part(self.shard, self.shard.plan, Path(header["path"]), groups, chief_model)
-        except Exception as error:  # every server fails alike (DCP shares errors); the chief raises with this text
+        except (Exception, CheckpointException) as error:  # DCP's exception derives from BaseException only
+            # Building a part happens in DCP's planning step and writing in its write step, whose errors DCP hands
+            # to every server: all of them answer with an error, and the chief raises with this text.
             log.error("parameter server %d could not write its checkpoint part: %s", self.server, error)
             answer["error"] = f"{type(error).__name__}: {error}"[:2000]
         fields, _ = self._state(with_optimizer=False).to_message()

@@ -69,13 +69,34 @@ def test_the_planner_writes_blocks_that_read_back_whole(tmp_path: Path) -> None:
     blocks = [RowBlock(("model", "net.w"), whole[:1].clone(), whole.shape, 0)]
     blocks.append(RowBlock(("model", "net.w"), whole[1:].clone(), whole.shape, 1))
     state = {"model": {"net.b": torch.ones(2)}}
-    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "ok"), planner=RowBlockPlanner(blocks), no_dist=True)
+    planner = RowBlockPlanner(lambda: (state, blocks))
+    dcp.save({}, storage_writer=FileSystemWriter(tmp_path / "ok"), planner=planner, no_dist=True)
     (tmp_path / "ok" / "meta.pt").touch()
     model = read_part(SavedShards(tmp_path / "ok", "model"))
     torch.testing.assert_close(model["net.w"], whole)
     torch.testing.assert_close(model["net.b"], torch.ones(2))
     overlapping = [blocks[0], RowBlock(("model", "net.w"), whole[:2].clone(), whole.shape, 0)]
     with pytest.raises(CheckpointException, match="overlapping chunks"):
-        dcp.save(
-            state, storage_writer=FileSystemWriter(tmp_path / "bad"), planner=RowBlockPlanner(overlapping), no_dist=True
-        )
+        planner = RowBlockPlanner(lambda: (state, overlapping))
+        dcp.save({}, storage_writer=FileSystemWriter(tmp_path / "bad"), planner=planner, no_dist=True)
+
+
+@pytest.mark.multiprocess
+def test_a_server_that_cannot_build_its_part_fails_every_servers_save_at_once(tmp_path: Path) -> None:
+    """Server 0's part fails while it is built in DCP's planning step: server 1's save fails with server 0's error,
+    not after the group's timeout. Control: built before the save starts, server 1 waits for server 0 until the
+    timeout and its error does not say why."""
+    from tests.helpers.runner import run_ranks
+    from tests.helpers.server_part_workers import PLANTED, TIMEOUT_S
+
+    shared = run_ranks("tests.helpers.server_part_workers", ["in_plan", str(tmp_path / "a")], 2, timeout=120)
+    shared.assert_every_rank_exits(0)
+    server1 = shared.output.split("--- rank 1")[1]
+    assert PLANTED in server1 and "CheckpointException" in server1, shared.output[-3000:]
+    assert float(server1.split("failed after ")[1].split(" s")[0]) < TIMEOUT_S
+
+    control = run_ranks("tests.helpers.server_part_workers", ["before", str(tmp_path / "b")], 2, timeout=120)
+    control.assert_every_rank_exits(0)
+    server1 = control.output.split("--- rank 1")[1]
+    assert "failed after" in server1 and PLANTED not in server1, control.output[-3000:]
+    assert float(server1.split("failed after ")[1].split(" s")[0]) >= TIMEOUT_S - 1
