@@ -22,6 +22,8 @@ __all__ = ["TFConfig", "TFConfigEnvironment", "TFConfigError"]
 
 TRAINING_JOBS = ("chief", "worker")
 KNOWN_JOBS = ("chief", "worker", "ps", "evaluator")
+#: Kubeflow's TFJob names its chief replica ``Master`` (TensorFlow 1's name), and writes that job into TF_CONFIG.
+JOB_ALIASES = {"master": "chief"}
 
 
 class TFConfigError(ValueError):
@@ -94,20 +96,29 @@ class TFConfig:
             raise TFConfigError(
                 f"TF_CONFIG field `cluster` must be a non-empty object of job lists, got {raw_cluster!r}."
             )
+        both = [alias for alias, job in JOB_ALIASES.items() if alias in raw_cluster and job in raw_cluster]
+        if both:
+            raise TFConfigError(
+                f"TF_CONFIG field `cluster` has both `{both[0]}` and `{JOB_ALIASES[both[0]]}`, two names of one job;"
+                " keep one of them."
+            )
         cluster: dict[str, list[tuple[str, int]]] = {}
-        for job, tasks in raw_cluster.items():
+        for written, tasks in raw_cluster.items():
+            job = JOB_ALIASES.get(written, written)
             if job not in KNOWN_JOBS:
                 raise TFConfigError(
-                    f"TF_CONFIG field `cluster.{job}` is not a known job; use one of {list(KNOWN_JOBS)}."
+                    f"TF_CONFIG field `cluster.{written}` is not a known job; use one of {[*KNOWN_JOBS, *JOB_ALIASES]}."
                 )
             if isinstance(tasks, dict):  # TF also accepts {index: address} for sparse clusters
                 try:
                     tasks = [tasks[k] for k in sorted(tasks, key=int)]
                 except ValueError:
-                    raise TFConfigError(f"TF_CONFIG field `cluster.{job}` has non-integer task indices.") from None
+                    raise TFConfigError(f"TF_CONFIG field `cluster.{written}` has non-integer task indices.") from None
             if not isinstance(tasks, list) or not tasks:
-                raise TFConfigError(f"TF_CONFIG field `cluster.{job}` must be a non-empty list of 'host:port' strings.")
-            cluster[job] = [_parse_address(addr, f"cluster.{job}[{i}]") for i, addr in enumerate(tasks)]
+                raise TFConfigError(
+                    f"TF_CONFIG field `cluster.{written}` must be a non-empty list of 'host:port' strings."
+                )
+            cluster[job] = [_parse_address(addr, f"cluster.{written}[{i}]") for i, addr in enumerate(tasks)]
         if len(cluster.get("chief", [])) > 1:
             raise TFConfigError(
                 f"TF_CONFIG field `cluster.chief` lists {len(cluster['chief'])} tasks; a cluster has one."
@@ -123,6 +134,7 @@ class TFConfig:
         task_type = task.get("type")
         if not isinstance(task_type, str) or not task_type:
             raise TFConfigError(f"TF_CONFIG field `task.type` must name a job such as 'worker', got {task_type!r}.")
+        task_type = JOB_ALIASES.get(task_type, task_type)
         if task_type not in cluster and task_type != "evaluator":
             raise TFConfigError(
                 f"TF_CONFIG field `task.type` is {task_type!r}, which is not a job in `cluster` ({sorted(cluster)})."

@@ -32,6 +32,21 @@ def test_ranks_and_main_address_come_from_the_cluster_spec():
     assert chief.node_rank() == 0
 
 
+def test_kubeflow_tfjob_master_is_the_chief_and_its_environment_key_is_read_past():
+    """TFJob's ``Master`` replica writes ``master`` into TF_CONFIG, with ``"environment": "cloud"`` beside it."""
+    cluster = {"master": ["job-master-0:2222"], "worker": ["job-worker-0:2222"], "ps": ["job-ps-0:2222"]}
+    written = {"cluster": cluster, "task": {"type": "master", "index": 0}, "environment": "cloud"}
+    master = TFConfigEnvironment(json.dumps(written))
+    assert (master.node_rank(), master.world_size(), master.main_address) == (0, 2, "job-master-0")
+    worker = TFConfigEnvironment(json.dumps({**written, "task": {"type": "worker", "index": 0}}))
+    assert (worker.node_rank(), worker.main_address, worker.main_port) == (1, "job-master-0", 2222)
+    assert TFConfig.from_json(json.dumps(written)).cluster["chief"] == [("job-master-0", 2222)]
+    # Control: both names of the one job are refused, naming them.
+    both = {**written, "cluster": {**cluster, "chief": ["job-chief-0:2222"]}}
+    with pytest.raises(TFConfigError, match="both `master` and `chief`"):
+        TFConfig.from_json(json.dumps(both))
+
+
 def test_without_chief_worker_zero_hosts_the_rendezvous():
     env = TFConfigEnvironment(tf_config({"worker": ["127.0.0.1:5000", "127.0.0.1:5001"]}, "worker", 1))
     assert (env.main_address, env.main_port, env.node_rank()) == ("127.0.0.1", 5000, 1)
