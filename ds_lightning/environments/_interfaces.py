@@ -75,3 +75,43 @@ def pin_socket_interfaces(host: str) -> str | None:
     for variable in SOCKET_IFNAME_VARIABLES:
         os.environ[variable] = name
     return name
+
+
+def route_source_address(host: str, port: int) -> str | None:
+    """This machine's address on the route to ``host`` (what a connection to it would come from), or None."""
+    try:
+        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
+    except OSError:
+        return None
+    for *_, address in infos:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            try:
+                sock.connect(address)  # UDP: picks the route and source address, sends nothing
+            except OSError:
+                continue
+            return str(sock.getsockname()[0])
+    return None
+
+
+def pin_interfaces_toward_main(main_address: str, main_port: int) -> str | None:
+    """Make gloo and NCCL use the interface on the route to the main address.
+
+    For launches that name no address of this task (torchrun, a Kubeflow PyTorchJob pod): only ``MASTER_ADDR``. A
+    value the user set is kept and a loopback main address changes nothing (see :func:`pin_socket_interfaces`). Call
+    before the process group starts.
+
+    Returns:
+        The interface in use, or None on loopback or when no route was found (a warning then says what to set).
+
+    """
+    if is_loopback(main_address):
+        return None
+    address = route_source_address(main_address, main_port)
+    if address is None:
+        log.warning(
+            "ds_lightning: no route from this host to MASTER_ADDR=%s; gloo/NCCL choose their own interface. Set"
+            " GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface the other nodes reach this one on.",
+            main_address,
+        )
+        return None
+    return pin_socket_interfaces(address)

@@ -20,9 +20,8 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 from typing_extensions import override
 
-from ds_lightning.environments._interfaces import is_loopback
+from ds_lightning.environments._interfaces import is_loopback, route_source_address
 from ds_lightning.environments.tf_config import TFConfig, TFConfigError
-from ds_lightning.environments.torchelastic import route_source_address
 
 __all__ = ["TorchrunPart", "server_environment", "tf_config_servers", "torchrun_part"]
 

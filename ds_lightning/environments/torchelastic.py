@@ -10,18 +10,12 @@ address the other nodes cannot reach).
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
 
 from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.environments import TorchElasticEnvironment
 
-from ds_lightning.environments._interfaces import is_loopback, pin_socket_interfaces
-
-log = logging.getLogger(__name__)
-
-__all__ = ["elastic_num_nodes", "pin_elastic_interfaces", "route_source_address", "store_round"]
+__all__ = ["elastic_num_nodes", "store_round"]
 
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
@@ -55,45 +49,6 @@ def elastic_num_nodes(env: ClusterEnvironment | None, num_processes: int) -> int
             f" torchrun with the same --nproc-per-node."
         )
     return world // local
-
-
-def route_source_address(host: str, port: int) -> str | None:
-    """This machine's address on the route to ``host`` (what a connection to it would come from), or None."""
-    try:
-        infos = socket.getaddrinfo(host, port, socket.AF_INET, socket.SOCK_DGRAM)
-    except OSError:
-        return None
-    for *_, address in infos:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            try:
-                sock.connect(address)  # UDP: picks the route and source address, sends nothing
-            except OSError:
-                continue
-            return str(sock.getsockname()[0])
-    return None
-
-
-def pin_elastic_interfaces(env: ClusterEnvironment | None) -> str | None:
-    """Under torchrun, make gloo and NCCL use the interface on the route to ``MASTER_ADDR``.
-
-    A value the user set is kept and a loopback ``MASTER_ADDR`` changes nothing (see
-    :func:`~ds_lightning.environments.pin_socket_interfaces`). Call before the process group starts.
-
-    Returns:
-        The interface in use, or None outside torchrun, on loopback or when no route was found.
-
-    """
-    if not isinstance(env, TorchElasticEnvironment) or is_loopback(env.main_address):
-        return None
-    address = route_source_address(env.main_address, env.main_port)
-    if address is None:
-        log.warning(
-            "ds_lightning: no route from this host to MASTER_ADDR=%s; gloo/NCCL choose their own interface. Set"
-            " GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface the other nodes reach this one on.",
-            env.main_address,
-        )
-        return None
-    return pin_socket_interfaces(address)
 
 
 def store_round() -> int:

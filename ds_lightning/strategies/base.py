@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import KubeflowEnvironment, TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
@@ -31,11 +32,12 @@ from ds_lightning.checkpoint.options import StateDictType, check_state_dict_type
 from ds_lightning.checkpoint.strategy_hooks import ShardedCheckpoints
 from ds_lightning.data.eval_shards import exact_mean_input, uneven_batch_counts, unpadded_eval_loader
 from ds_lightning.data.resumable import DataCursor, position_loader
-from ds_lightning.environments._interfaces import pin_socket_interfaces
+from ds_lightning.environments._interfaces import pin_interfaces_toward_main, pin_socket_interfaces
+from ds_lightning.environments.kubeflow import adopt_pytorchjob
 from ds_lightning.environments.rendezvous import rendezvous_store
 from ds_lightning.environments.tf_config import TFConfig
 from ds_lightning.environments.tf_config_adoption import adopt_tf_config, tf_config_in_use
-from ds_lightning.environments.torchelastic import AGENT_STORE_ENV, elastic_num_nodes, pin_elastic_interfaces
+from ds_lightning.environments.torchelastic import AGENT_STORE_ENV, elastic_num_nodes
 from ds_lightning.strategies.capabilities import LIGHTNING_DEFAULTS, StrategyCapabilities
 
 __all__ = ["BACKENDS", "ClusterStrategy", "StartMethod"]
@@ -249,6 +251,9 @@ class ClusterStrategy(ShardedCheckpoints, DDPStrategy):
         self.cluster_environment, self._num_nodes = adopt_tf_config(
             self.strategy_name, self.cluster_environment, self._num_nodes, self.serves_parameters
         )
+        self.cluster_environment, self._num_nodes = adopt_pytorchjob(
+            self.strategy_name, self.cluster_environment, self._num_nodes, self.num_processes
+        )
         # Under torchrun the rendezvous round decides the node count (elastic: it may shrink or grow on a restart).
         nodes = elastic_num_nodes(self.cluster_environment, self.num_processes)
         if nodes is not None:
@@ -364,11 +369,12 @@ class ClusterStrategy(ShardedCheckpoints, DDPStrategy):
 
     @override
     def setup_environment(self) -> None:
-        host = self.own_host
+        host, env = self.own_host, self.cluster_environment
         if host is not None:
             pin_socket_interfaces(host)
-        else:
-            pin_elastic_interfaces(self.cluster_environment)
+        elif isinstance(env, (TorchElasticEnvironment, KubeflowEnvironment)):
+            # Launches that name no address of this task, only MASTER_ADDR.
+            pin_interfaces_toward_main(env.main_address, env.main_port)
         super().setup_environment()
         destroy_process_group_at_exit(self._get_process_group_backend())
 

@@ -60,21 +60,44 @@ def cluster_spec(jobs: dict[str, list[Host]]) -> dict[str, list[str]]:
     return {job: [f"{host.address}:{port}" for host in hosts] for job, hosts in jobs.items()}
 
 
-def start(spec: dict[str, list[str]], role: str, index: int, host: Host, args: list[str], logs: Path) -> Task:
-    env = worker_env(TF_CONFIG=json.dumps({"cluster": spec, "task": {"type": role, "index": index}}))
+def start(
+    spec: dict[str, list[str]],
+    role: str,
+    index: int,
+    host: Host,
+    args: list[str],
+    logs: Path,
+    tf_extra: dict[str, Any] | None = None,
+) -> Task:
+    """One TF_CONFIG task; ``tf_extra``: more keys of its TF_CONFIG (TFJob's ``"environment": "cloud"``)."""
+    tf_config = {"cluster": spec, "task": {"type": role, "index": index}, **(tf_extra or {})}
+    return start_with(host, role, index, args, logs, TF_CONFIG=json.dumps(tf_config))
+
+
+def start_with(host: Host, role: str, index: int, args: list[str], logs: Path, **variables: str) -> Task:
+    """``ds-train`` on ``host`` with ``variables`` on top of a clean environment, which sets no interface, address or
+    port of its own."""
+    env = worker_env()
     for variable in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(variable, None)
+    env.update(variables)
     log = logs / f"{role}{index}.log"
     with log.open("w") as out:
         proc = host.run([sys.executable, "-m", "ds_lightning.cli", *args], cwd=REPO, env=env, stdout=out, stderr=out)
     return Task(role, index, host, proc, log)
 
 
-def start_all(spec: dict[str, list[str]], hosts: dict[str, list[Host]], args: list[str], logs: Path) -> list[Task]:
+def start_all(
+    spec: dict[str, list[str]],
+    hosts: dict[str, list[Host]],
+    args: list[str],
+    logs: Path,
+    tf_extra: dict[str, Any] | None = None,
+) -> list[Task]:
     """Starts every task of ``spec`` (servers first, as an operator would) with the same arguments."""
     order = sorted(spec, key=lambda job: job != "ps")
     logs.mkdir(parents=True, exist_ok=True)
-    return [start(spec, job, i, host, args, logs) for job in order for i, host in enumerate(hosts[job])]
+    return [start(spec, job, i, host, args, logs, tf_extra) for job in order for i, host in enumerate(hosts[job])]
 
 
 def wait(tasks: list[Task], timeout: float = RUN_TIMEOUT) -> float:
@@ -156,6 +179,7 @@ def run_watched(
     args: list[str],
     logs: Path,
     during: Callable[[list[Task]], None] | None = None,
+    tf_extra: dict[str, Any] | None = None,
 ) -> list[Task]:
     """Runs every task of ``hosts`` to success (``during(tasks)`` acts on the running cluster) and checks the run.
 
@@ -165,7 +189,7 @@ def run_watched(
     """
     spec = cluster_spec(hosts)
     with ListenerWatch(cluster) as watch:
-        tasks = start_all(spec, hosts, args, logs)
+        tasks = start_all(spec, hosts, args, logs, tf_extra)
         if during is not None:
             during(tasks)
         wait(tasks)

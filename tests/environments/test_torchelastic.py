@@ -10,8 +10,13 @@ import pytest
 from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
 from lightning.pytorch import Trainer
 
-from ds_lightning.environments._interfaces import SOCKET_IFNAME_VARIABLES, _ipv4_of
-from ds_lightning.environments.torchelastic import elastic_num_nodes, pin_elastic_interfaces, route_source_address
+from ds_lightning.environments._interfaces import (
+    SOCKET_IFNAME_VARIABLES,
+    _ipv4_of,
+    pin_interfaces_toward_main,
+    route_source_address,
+)
+from ds_lightning.environments.torchelastic import elastic_num_nodes
 from ds_lightning.strategies import ParameterServerStrategy
 
 
@@ -93,13 +98,15 @@ def test_the_route_source_address_is_this_hosts_address_towards_the_target():
 
 
 def test_gloo_is_pinned_to_the_interface_towards_master_addr(torchrun_round):
-    assert pin_elastic_interfaces(TorchElasticEnvironment()) is None  # loopback: the defaults are right
+    env = TorchElasticEnvironment()
+    assert pin_interfaces_toward_main(env.main_address, env.main_port) is None  # loopback: the defaults are right
     assert all(variable not in os.environ for variable in SOCKET_IFNAME_VARIABLES)
     for _, name in socket.if_nameindex():
         address = _ipv4_of(name)
         if address is not None and not address.startswith("127."):
             torchrun_round.setenv("MASTER_ADDR", address)
-            assert pin_elastic_interfaces(TorchElasticEnvironment()) == name
+            env = TorchElasticEnvironment()
+            assert pin_interfaces_toward_main(env.main_address, env.main_port) == name
             assert os.environ["GLOO_SOCKET_IFNAME"] == name
             return
     pytest.skip("this host has no non-loopback IPv4 interface")
