@@ -41,10 +41,6 @@ def _check_strategy_name(strategy: Any) -> None:
     )
 
 
-class SpellingError(ValueError):
-    """A ``--strategy`` value that names no strategy; ``ds-train`` prints it and exits with status 2."""
-
-
 def _strategy_name(value: str) -> str:
     """``--strategy``'s value as ``--trainer.strategy`` takes it.
 
@@ -59,7 +55,7 @@ def _strategy_name(value: str) -> str:
         return name
     close = difflib.get_close_matches(name, [*SHORT_NAMES, *StrategyRegistry.available_strategies()], n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
-    raise SpellingError(
+    raise ValueError(
         f"--strategy={value!r} names no strategy.{hint} Choices: {', '.join(SHORT_NAMES)}; also a registered name"
         f" ({', '.join(ds_lightning.available_strategies())}, or Lightning's, e.g. ddp) or a Strategy class path."
     )
@@ -72,7 +68,7 @@ def _pop_strategy(args: list[str]) -> tuple[str | None, list[str]]:
         arg = args[i]
         if arg == "--strategy":
             if i + 1 == len(args):
-                raise SpellingError(f"--strategy needs a name, one of {', '.join(SHORT_NAMES)}.")
+                raise ValueError(f"--strategy needs a name, one of {', '.join(SHORT_NAMES)}.")
             strategy, i = args[i + 1], i + 2
             continue
         if arg.startswith("--strategy="):
@@ -106,7 +102,8 @@ def seed_spelling(args: Sequence[str]) -> list[str]:
     which options given after it (``--trainer.max_epochs=1``) still change.
 
     Raises:
-        SpellingError: ``--strategy`` names no strategy; the message lists the choices.
+        ValueError: ``--strategy`` names no strategy (the message lists the choices); ``ds-train`` prints it and
+            exits with status 2.
 
     """
     strategy, rest = _pop_strategy(list(args))
@@ -195,7 +192,7 @@ def main(args: list[str] | None = None) -> None:
     """
     try:
         spelled = seed_spelling(sys.argv[1:] if args is None else args)
-    except SpellingError as err:
+    except ValueError as err:  # from the spelling alone: nothing else runs in this try
         print(f"ds-train: error: {err}", file=sys.stderr)
         raise SystemExit(2) from None
     if args is None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_lightning.cli import SpellingError, seed_spelling
+from ds_lightning.cli import seed_spelling
 from ds_lightning.demos.quickstart import SHORT_NAMES
 from tests.helpers.runner import ds_train, quiet_trainer_args
 
@@ -47,10 +47,10 @@ def test_registered_names_and_class_paths_pass_through():
 
 
 def test_unknown_name_lists_the_choices():
-    with pytest.raises(SpellingError, match="Did you mean 'mirrored'") as err:
+    with pytest.raises(ValueError, match="Did you mean 'mirrored'") as err:
         seed_spelling(["train", "--strategy=mirored"])
     assert "Choices: mirrored, parameter_server, pipeline, model_parallel" in str(err.value)
-    with pytest.raises(SpellingError, match="needs a name"):
+    with pytest.raises(ValueError, match="needs a name"):
         seed_spelling(["train", "--strategy"])
 
 
