@@ -1,11 +1,11 @@
 """Which processes of a ``ds_parameter_server`` run serve, under each launch: ``TF_CONFIG``, torchrun or ours.
 
 - ``TF_CONFIG``: its ``ps`` tasks serve (:func:`tf_config_servers`), the chief and workers train.
-- torchrun starts (and, after a failure, restarts) every process of the run, servers included, as TF's ``ps`` tasks
-  are tasks of the cluster: with ``WORLD_SIZE`` processes and ``num_servers`` servers, ranks ``0..W-1`` are the
-  workers (``W = WORLD_SIZE - num_servers``) and rank ``W + i`` is server ``i`` (:class:`TorchrunPart`). The workers
-  form their process group among themselves; the server channel forms from torchrun's store at
-  ``MASTER_ADDR:MASTER_PORT``.
+- torchrun and SLURM's ``srun`` start every process of the run, servers included, as TF's ``ps`` tasks are tasks of
+  the cluster: with ``N`` processes (``WORLD_SIZE``, ``SLURM_NTASKS``) and ``num_servers`` servers, ranks ``0..W-1``
+  are the workers (``W = N - num_servers``) and rank ``W + i`` is server ``i`` (:class:`SchedulerPart`). The workers
+  form their process group among themselves; the server channel forms from the store at
+  ``MASTER_ADDR:MASTER_PORT`` (torchrun's agent's, or rank 0's under SLURM).
 - Our own launcher starts the servers beside the workers and tells each its index.
 
 Whatever the launch, a server's rank is ``num_workers + server_index`` (:func:`server_environment`).
@@ -13,17 +13,24 @@ Whatever the launch, a server's rank is ``num_workers + server_index`` (:func:`s
 
 from __future__ import annotations
 
-import os
 import socket
+from typing import Any
 
 from lightning.fabric.plugins import ClusterEnvironment
-from lightning.fabric.plugins.environments import LightningEnvironment, TorchElasticEnvironment
+from lightning.fabric.plugins.environments import LightningEnvironment, SLURMEnvironment, TorchElasticEnvironment
 from typing_extensions import override
 
 from ds_lightning.environments._interfaces import is_loopback, route_source_address
 from ds_lightning.environments.tf_config import TFConfig, TFConfigError
 
-__all__ = ["TorchrunPart", "server_environment", "tf_config_servers", "torchrun_part"]
+__all__ = [
+    "SchedulerPart",
+    "SlurmPart",
+    "TorchrunPart",
+    "scheduler_part",
+    "server_environment",
+    "tf_config_servers",
+]
 
 
 def tf_config_servers(config: TFConfig, num_servers_arg: int | None) -> tuple[int, int | None]:
@@ -50,21 +57,29 @@ def server_environment(num_workers: int, server_index: int) -> LightningEnvironm
     return env
 
 
-class TorchrunPart(TorchElasticEnvironment):
-    """torchrun's environment as one process of a ``ds_parameter_server`` run sees it: the workers' world.
+class SchedulerPart(ClusterEnvironment):
+    """A scheduler's world as one process of a ``ds_parameter_server`` run sees it: the workers' world.
 
-    ``world_size`` is the number of workers (the size of their process group); ``global_rank`` stays torchrun's
-    ``RANK``, so a server's is ``num_workers + server_index`` as in every other launch.
+    torchrun and SLURM's ``srun`` start every process of the run, servers included; the last ``num_servers`` ranks
+    serve. ``world_size`` is the number of workers (the size of their process group); ``global_rank`` stays the
+    scheduler's, so a server's is ``num_workers + server_index`` as in every other launch. Mixed in before the
+    scheduler's own environment (:class:`TorchrunPart`, :class:`SlurmPart`).
 
     Args:
-        num_servers: how many of torchrun's last ranks serve.
+        num_servers: how many of the scheduler's last ranks serve.
+        **environment: the scheduler environment's own arguments.
 
     """
 
-    def __init__(self, num_servers: int) -> None:
-        super().__init__()
+    #: Whether the scheduler restarts every process after one fails (torchrun), so a server stops on a lost worker
+    #: instead of going on with the survivors.
+    restarts_whole_group = False
+
+    def __init__(self, num_servers: int, **environment: Any) -> None:
+        super().__init__(**environment)
         self.num_servers = num_servers
-        self.num_workers = int(os.environ["WORLD_SIZE"]) - num_servers
+        # The scheduler's whole world: always a concrete environment, mixed in after this class (see the subclasses).
+        self.num_workers = super().world_size() - num_servers  # type: ignore[safe-super]
 
     @property
     def server_index(self) -> int | None:
@@ -78,32 +93,55 @@ class TorchrunPart(TorchElasticEnvironment):
 
     @override
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
-        return None  # checked when the part was made (see torchrun_part); servers are not devices x nodes
+        return None  # checked when the part was made (see scheduler_part); servers are not devices x nodes
 
     def channel_host(self) -> str:
-        """The address this process's end of the server channel binds to: the one on the route to ``MASTER_ADDR``."""
-        if is_loopback(self.main_address):
+        """The address this process's end of the server channel binds to: the one on the route to the main address."""
+        main = self.main_address
+        if is_loopback(main):
             return "127.0.0.1"
-        return route_source_address(self.main_address, self.main_port) or socket.gethostname()
+        return route_source_address(main, self.main_port) or socket.gethostname()
 
 
-def torchrun_part(env: ClusterEnvironment | None, num_servers: int) -> TorchrunPart | None:
-    """Split torchrun's world into workers and servers; ``None`` outside torchrun. Safe to call again.
+class TorchrunPart(SchedulerPart, TorchElasticEnvironment):
+    """torchrun's environment as one process of a ``ds_parameter_server`` run sees it (see :class:`SchedulerPart`)."""
+
+    restarts_whole_group = True
+
+
+class SlurmPart(SchedulerPart, SLURMEnvironment):
+    """SLURM's environment (``srun``'s tasks) as one process of a ``ds_parameter_server`` run sees it.
+
+    The last ``num_servers`` tasks serve; with SLURM's default block distribution they are on the last node(s). Keeps
+    the user's ``auto_requeue`` and ``requeue_signal`` (see :class:`SchedulerPart`).
+    """
+
+
+def scheduler_part(env: ClusterEnvironment | None, num_servers: int) -> SchedulerPart | None:
+    """Split torchrun's or SLURM's world into workers and servers; ``None`` under another launch. Safe to call again.
 
     Raises:
-        ValueError: when torchrun's world leaves no worker beside ``num_servers`` servers, naming both and the fix.
+        ValueError: when the scheduler's world leaves no worker beside ``num_servers`` servers, naming both and the
+            fix.
 
     """
-    if isinstance(env, TorchrunPart):
+    if isinstance(env, SchedulerPart):
         return env
-    if not isinstance(env, TorchElasticEnvironment):
+    if isinstance(env, TorchElasticEnvironment):
+        launch, how = "torchrun started WORLD_SIZE", "torchrun with at least {n} processes in all (--nproc-per-node"
+        how += " x nodes, with --trainer.devices=--nproc-per-node)"
+    elif isinstance(env, SLURMEnvironment):
+        launch, how = "srun started SLURM_NTASKS", "the job with at least {n} tasks in all (--ntasks-per-node x"
+        how += " --nodes, with --trainer.devices=--ntasks-per-node)"
+    else:
         return None
     world = env.world_size()
     if world <= num_servers:
         raise ValueError(
-            f"torchrun started WORLD_SIZE={world} process(es), and ds_parameter_server(num_servers={num_servers})"
-            f" makes the last {num_servers} of them parameter servers, which leaves no worker. Start torchrun with"
-            f" at least {num_servers + 1} processes in all (--nproc-per-node x nodes, with"
-            " --trainer.devices=--nproc-per-node), or lower num_servers."
+            f"{launch}={world} process(es), and ds_parameter_server(num_servers={num_servers}) makes the last"
+            f" {num_servers} of them parameter servers, which leaves no worker. Start"
+            f" {how.format(n=num_servers + 1)}, or lower num_servers."
         )
+    if isinstance(env, SLURMEnvironment):
+        return SlurmPart(num_servers, auto_requeue=env.auto_requeue, requeue_signal=env.requeue_signal)
     return TorchrunPart(num_servers)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Literal
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.environments import KubeflowEnvironment, TorchElasticEnvironment
+from lightning.fabric.plugins.environments import KubeflowEnvironment, SLURMEnvironment, TorchElasticEnvironment
 from lightning.fabric.utilities.distributed import _destroy_dist_connection, _init_dist_connection
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import Accelerator
@@ -372,8 +372,8 @@ class ClusterStrategy(ShardedCheckpoints, DDPStrategy):
         host, env = self.own_host, self.cluster_environment
         if host is not None:
             pin_socket_interfaces(host)
-        elif isinstance(env, (TorchElasticEnvironment, KubeflowEnvironment)):
-            # Launches that name no address of this task, only MASTER_ADDR.
+        elif isinstance(env, (TorchElasticEnvironment, KubeflowEnvironment, SLURMEnvironment)):
+            # Launches that name no address of this task, only the main one (SLURM's first node).
             pin_interfaces_toward_main(env.main_address, env.main_port)
         super().setup_environment()
         destroy_process_group_at_exit(self._get_process_group_backend())

@@ -27,10 +27,10 @@ from typing_extensions import override
 from ds_lightning.checkpoint.options import StateDictType
 from ds_lightning.data.eval_shards import exact_mean_input
 from ds_lightning.environments.parameter_server_roles import (
-    TorchrunPart,
+    SchedulerPart,
+    scheduler_part,
     server_environment,
     tf_config_servers,
-    torchrun_part,
 )
 from ds_lightning.parameter_server.channel import connect_server_group, connect_servers
 from ds_lightning.parameter_server.checkpoint import ConsolidatedRun, ResumePoint, starting_shards
@@ -202,9 +202,9 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
 
     @property
     def num_workers(self) -> int:
-        """Training processes in the run: ``devices`` per chief/worker task, or torchrun's ranks that do not serve."""
+        """Training processes: ``devices`` per chief/worker task, or torchrun's (SLURM's) ranks that do not serve."""
         env = self.cluster_environment
-        return env.num_workers if isinstance(env, TorchrunPart) else self.num_nodes * self.num_processes
+        return env.num_workers if isinstance(env, SchedulerPart) else self.num_nodes * self.num_processes
 
     @property
     def starts_local_servers(self) -> bool:
@@ -218,13 +218,13 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
 
     @override
     def set_world_ranks(self) -> None:
-        # Once split (Lightning calls this again in setup_distributed), torchrun's node count is already adopted.
-        part = self.cluster_environment if isinstance(self.cluster_environment, TorchrunPart) else None
+        # Once split (Lightning calls this again in setup_distributed), the scheduler's node count is already adopted.
+        part = self.cluster_environment if isinstance(self.cluster_environment, SchedulerPart) else None
         config = None if part is not None else self.adopt_cluster()
-        part = part or torchrun_part(self.cluster_environment, self.num_servers)
+        part = part or scheduler_part(self.cluster_environment, self.num_servers)
         if part is not None:
             self.cluster_environment, self._server_index = part, part.server_index
-            DDPStrategy.set_world_ranks(self)  # the part keeps torchrun's RANK; its world is the workers'
+            DDPStrategy.set_world_ranks(self)  # the part keeps the scheduler's rank; its world is the workers'
             return
         if config is not None:
             self.num_servers, self._server_index = tf_config_servers(config, self._num_servers_arg)
@@ -263,7 +263,7 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
         servers = launcher.servers if isinstance(launcher, WorkerLauncher) else []
         size = self.num_workers + self.num_servers
         env = self.cluster_environment
-        host = env.channel_host() if isinstance(env, TorchrunPart) else None
+        host = env.channel_host() if isinstance(env, SchedulerPart) else None
         self._pg = connect_servers(self.tf_config, rank, size, self._server_index, self.timeout_seconds, servers, host)
 
     @override
@@ -340,7 +340,7 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
             staleness_lr=self.staleness_lr,
             max_updates=self.max_updates,
             timeout=self.timeout_seconds,
-            fail_on_lost_worker=isinstance(self.cluster_environment, TorchrunPart),
+            fail_on_lost_worker=getattr(self.cluster_environment, "restarts_whole_group", False),
         )
 
     # --- training step: pull, compute, push -----------------------------------------------------------------------
