@@ -28,6 +28,7 @@ from typing_extensions import override
 from ds_lightning import _validation as check
 from ds_lightning.data.resumable import DataCursor, position_loader
 from ds_lightning.device_map import DeviceHooks, check_device_map, devices_of, place
+from ds_lightning.environments.external_launch import refuse_several_launched
 from ds_lightning.pipeline.microbatch import MicroBatchedSequential
 from ds_lightning.pipeline.partition import check_balance, resolve_balance
 from ds_lightning.pipeline.profile import auto_balance
@@ -281,6 +282,11 @@ class LayerSplitStrategy(SingleDeviceStrategy):
 
     @override
     def setup_environment(self) -> None:
+        refuse_several_launched(
+            "ds_model_parallel",
+            "Start one task (sbatch --nodes=1 --ntasks-per-node=1), or split the model across"
+            " processes and hosts with ds_pipeline.",
+        )
         cuda = [d for d in self._stage_devices if d.type == "cuda"]
         if cuda:
             count = torch.cuda.device_count()
