@@ -28,6 +28,7 @@ from ds_lightning.backup.position import (
     set_random_states,
 )
 from ds_lightning.backup.preemption import PreemptionWatch
+from ds_lightning.backup.requeue import SlurmRequeue
 from ds_lightning.backup.store import BackupStore
 from ds_lightning.backup.writer import BackupWriter
 from ds_lightning.callbacks._batch_geometry import data_parallel_size, samples_per_micro_step
@@ -41,6 +42,7 @@ log = logging.getLogger(__name__)
 #: The checkpoint entry holding what Lightning does not save: the sample reached and every rank's random states.
 CHECKPOINT_KEY = "ds_backup"
 _SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT", "SIGUSR2", "SIGHUP")
+_FLAGS = 3  # agreed at every step: a timed backup is due, preempted, preempted by the requeue signal
 
 
 class BackupAndRestore(Callback):
@@ -68,6 +70,13 @@ class BackupAndRestore(Callback):
     backup at the optimizer step after the next one (a step all ranks agree on without waiting for each other), then
     the process exits with ``exit_code``; if that has not happened within ``grace_seconds``, it exits anyway and the
     previous backup stands.
+
+    On SLURM with Lightning's auto-requeue on (``SLURMEnvironment(auto_requeue=True)``, the default there), this
+    callback handles the requeue signal (SIGUSR1, or the environment's ``requeue_signal``) in place of Lightning's own
+    handler, which is then never registered: after the backup, rank 0 runs ``scontrol requeue`` for the job, as
+    Lightning would, and the requeued job resumes from the backup. SIGTERM backs up too, and requeues only when SLURM
+    is preempting the job (a job that ends inside its ``GraceTime`` is not requeued by SLURM); after ``scancel`` the
+    job ends. With ``auto_requeue=False`` nothing requeues: the job script decides on ``exit_code``.
 
     ``backup_dir`` must be the same directory for every process (shared storage across hosts). Under
     ``ds_parameter_server`` the chief writes the backups, with the servers' state; an asynchronous run resumes from
@@ -131,6 +140,7 @@ class BackupAndRestore(Callback):
         self._cursor = DataCursor()
         self._agreement = StepAgreement()
         self._restored: dict[str, Any] | None = None
+        self._requeue: SlurmRequeue | None = None
         # Samples of the current epoch trained so far, counted here: Lightning's batch counters of a run that was
         # itself restored do not always start where that run's data did.
         self._epoch_counted: int | None = None
@@ -156,8 +166,14 @@ class BackupAndRestore(Callback):
             strategy.data_cursor = self._cursor
         else:  # Lightning's own strategies (the default one-device strategy, ddp): the same order, positioned here
             self._unposition = position_under(strategy, self._cursor)
+        self._requeue = SlurmRequeue.of(getattr(strategy, "cluster_environment", None))
+        watched = [signal.Signals[s] for s in self.signals]
+        if self._requeue is not None:
+            watched += [self._requeue.signal] if self._requeue.signal not in watched else []
+            rank_zero_info(f"BackupAndRestore: {self._requeue.describe()}")
+        self._watch.signals = tuple(watched)
         # From here on a preemption signal only raises the flag, also while the backup loads (the handlers go in again
-        # over Lightning's, which it registers after the restore).
+        # over Lightning's, which it registers after the restore; it skips a requeue signal that has ours already).
         self._watch.received = None
         self._watch.install()
         timeout = getattr(strategy, "_timeout", None)  # Lightning's DDP keeps it there too
@@ -261,12 +277,14 @@ class BackupAndRestore(Callback):
             return  # inside an accumulation window: not a point the run can resume from
         self._last_step = step = trainer.global_step
         # Raised by any rank at the previous optimizer step: every rank acts on them here, at this same step.
-        timed, preempted = self._agreement.collect(2)
+        timed, preempted, requeue = self._agreement.collect(_FLAGS)
         due = self.every_n_train_steps is not None and step % self.every_n_train_steps == 0
         if due or timed or preempted:
             self.save(trainer)
         if preempted:
             self._writer.wait()
+            if self._requeue is not None:
+                self._requeue_job(trainer, asked=requeue)
             rank_zero_info(f"BackupAndRestore: preempted; backed up at step {step}, exiting with code {self.exit_code}")
             raise SystemExit(self.exit_code)
         # After the save, which restarts the timer: a timed backup is not taken twice.
@@ -275,8 +293,22 @@ class BackupAndRestore(Callback):
             and trainer.is_global_zero  # rank 0's clock decides: the others' timers would add backups of their own
             and time.monotonic() - self._last_time >= self.every_n_seconds
         )
-        flags = (timer, self._watch.received is not None)
+        received = self._watch.received
+        flags = (timer, received is not None, self._requeue is not None and received == self._requeue.signal)
         self._agreement.start(flags, trainer.strategy.root_device, collective=_collective(trainer))
+
+    def _requeue_job(self, trainer: pl.Trainer, asked: bool) -> None:
+        """Rank 0 requeues the SLURM job once the backup is written, if the requeue signal ``asked`` or SLURM preempts.
+
+        Every other rank waits for rank 0 to have done so.
+        """
+        assert self._requeue is not None
+        if trainer.is_global_zero and (asked or self._requeue.preempted()) and self._requeue.requeue():
+            rank_zero_info(f"BackupAndRestore: requeued SLURM job {self._requeue.job_id}")
+        if _collective(trainer):
+            # A job whose tasks have all exited ends instead of being requeued (and srun --kill-on-bad-exit would end
+            # rank 0 on the first exit): nobody leaves before rank 0's scontrol returns. The group's timeout bounds it.
+            dist.barrier()
 
     def _count_samples(self, trainer: pl.Trainer) -> None:
         epoch = trainer.current_epoch
@@ -339,7 +371,7 @@ class BackupAndRestore(Callback):
             # The last step's agreement, which every rank started, ends here: an async gloo work still held when the
             # interpreter exits can abort the process (SIGABRT; torch closed PR 179291). The run is complete, so a
             # signal raised in its last step needs no backup.
-            self._agreement.collect(2)
+            self._agreement.collect(_FLAGS)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
