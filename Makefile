@@ -48,16 +48,23 @@ test-gpu: setup
 test-versions: setup
 	bash .ci/versions
 
-# The multi-host tests build namespace clusters with iproute2 (ip, tc, ss); as root, install it when missing.
-# Without it (or without root) those tests skip and say what is missing.
+# The multi-host tests build namespace clusters with iproute2 (ip, tc, ss), and a SLURM cluster on them with Debian's
+# slurm-wlm and munge (tests/cluster/test_slurm.py); as root, install what is missing. Without it (or without root)
+# those tests skip and say what is missing; .ci/run makes such a skip a failure.
+CLUSTER_PACKAGES := iproute2 slurm-wlm munge
 cluster-tools:
-	@command -v ip >/dev/null && command -v tc >/dev/null && command -v ss >/dev/null || { \
+	@missing=""; \
+	for tool in ip tc ss; do command -v $$tool >/dev/null || missing="iproute2"; done; \
+	for tool in slurmctld slurmd sbatch srun scontrol munged; do \
+	  command -v $$tool >/dev/null || missing="$$missing slurm-wlm munge"; done; \
+	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-	    echo "installing iproute2 for the multi-host cluster tests"; \
-	    apt-get install -y -q iproute2 >/dev/null 2>&1 || \
-	      { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q iproute2 >/dev/null 2>&1; } || \
-	      echo "note: could not install iproute2; the cluster tests will skip"; \
-	  else echo "note: iproute2 is missing and this is not root; the cluster tests will skip"; fi; }
+	    echo "installing $(CLUSTER_PACKAGES) for the multi-host cluster tests"; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(CLUSTER_PACKAGES) >/dev/null 2>&1 || \
+	      { apt-get update -q >/dev/null 2>&1 && DEBIAN_FRONTEND=noninteractive \
+	        apt-get install -y -q --no-install-recommends $(CLUSTER_PACKAGES) >/dev/null 2>&1; } || \
+	      echo "note: could not install $(CLUSTER_PACKAGES); the cluster tests will skip"; \
+	  else echo "note: $$missing missing and this is not root; the cluster tests will skip"; fi; fi
 
 lint: setup
 	$(PY) -m ruff check .

@@ -15,7 +15,7 @@ from ds_lightning.strategies import (
     PipelineStrategy,
     available_strategies,
 )
-from ds_lightning.testing import CommandError, ShapingUnsupportedError
+from ds_lightning.testing import CommandError, ShapingUnsupportedError, SlurmError
 
 __version__ = "0.1.0"
 
@@ -29,6 +29,7 @@ __all__ = [
     "PipelineStrategy",
     "ServerLostError",
     "ShapingUnsupportedError",
+    "SlurmError",
     "TFConfigEnvironment",
     "TFConfigError",
     "TracingRefused",

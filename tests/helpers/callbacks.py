@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -291,4 +292,26 @@ class SlowLink(Callback):
         link = AllReduceFit(latency_s=1e-4, bandwidth=self.bandwidth)
         auto.override = LinkFigures(trainer.world_size, link, link, {})
         record = {"choice": auto.choice, "step": auto.step}
+        Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+class RecordPlacement(Callback):
+    """Every training rank writes where it runs to ``{path}.rank{R}.json``: host name, environment, world and nodes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        env = trainer.strategy.cluster_environment if hasattr(trainer.strategy, "cluster_environment") else None
+        record = {
+            "host": socket.gethostname(),
+            "global_rank": trainer.global_rank,
+            "world_size": trainer.world_size,
+            "num_nodes": trainer.num_nodes,
+            "strategy": type(trainer.strategy).__name__,
+            "environment": type(env).__name__ if env is not None else None,
+            "environment_bases": [c.__name__ for c in type(env).__mro__] if env is not None else [],
+            "num_workers": getattr(trainer.strategy, "num_workers", None),
+            "num_servers": getattr(trainer.strategy, "num_servers", None),
+        }
         Path(f"{self.path}.rank{trainer.global_rank}.json").write_text(json.dumps(record))
