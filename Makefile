@@ -7,6 +7,12 @@ DOCS_STAMP := $(VENV)/.ds_lightning-docs-installed
 # The pinned torch resolves to the CPU wheel on CPU-only machines here; a GPU box may override it.
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# The example configs say `accelerator: auto` and `devices: auto`: every GPU of a GPU machine, but one process on a CPU.
+# So that the demos have two processes to distribute over there, they add DEMO_ARGS, which is empty where torch sees a
+# CUDA device and `--trainer.accelerator=cpu --trainer.devices=2` otherwise (read when a demo runs, after setup);
+# set it to choose, e.g. `make demo DEMO_ARGS=--trainer.devices=4`.
+DEMO_ARGS ?= $(shell $(PY) -c "import torch; print('' if torch.cuda.is_available() else \
+	'--trainer.accelerator=cpu --trainer.devices=2')" 2>/dev/null || echo --trainer.accelerator=cpu --trainer.devices=2)
 # `make test` runs on two pytest-xdist workers, one per core here: a multi-rank test spends much of its time waiting
 # (rendezvous, timeouts, a killed rank), so two at once keep both cores busy. TEST_WORKERS=0 runs in one process.
 TEST_WORKERS ?= 2
@@ -23,12 +29,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: setup
-	$(VENV)/bin/ds-train fit --config examples/configs/mirrored.yaml
+	$(VENV)/bin/ds-train fit --config examples/configs/mirrored.yaml $(DEMO_ARGS)
 
 # The byte-level GPT on the standard library's own source text under ds_mirrored, a few minutes on 2 CPU cores; prints
 # the validation perplexity, tokens/s and a sample of the text it writes (docs/gpt.md).
 demo-gpt: setup
-	$(VENV)/bin/ds-train fit --config examples/configs/gpt_mirrored.yaml
+	$(VENV)/bin/ds-train fit --config examples/configs/gpt_mirrored.yaml $(DEMO_ARGS)
 
 test: setup cluster-tools
 	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)

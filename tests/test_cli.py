@@ -15,9 +15,9 @@ from torch.testing import assert_close
 from torch.utils.data import DistributedSampler
 
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
-from tests.helpers.runner import CONFIGS, REPO, ds_train, quiet_trainer_args, worker_env
+from tests.helpers.runner import CONFIGS, REPO, ds_train, example_config, quiet_trainer_args, worker_env
 
-MIRRORED = str(CONFIGS / "mirrored.yaml")
+MIRRORED = example_config("mirrored.yaml")
 DS_TRAIN = str(Path(sys.executable).with_name("ds-train"))
 
 
@@ -29,7 +29,7 @@ def _record_args(record: Path) -> list[str]:
 def test_console_script_with_class_path_on_the_command_line(tmp_path):
     record = tmp_path / "record.json"
     args = [
-        DS_TRAIN, "fit", f"--config={MIRRORED}", *quiet_trainer_args(tmp_path), "--trainer.max_steps=2",
+        DS_TRAIN, "fit", *MIRRORED, *quiet_trainer_args(tmp_path), "--trainer.max_steps=2",
         "--trainer.limit_val_batches=0", "--trainer.strategy=ds_lightning.strategies.MirroredStrategy",
         *_record_args(record),
     ]  # fmt: skip
@@ -48,7 +48,7 @@ def test_yaml_class_path_works_in_plain_lightning_cli_without_import(tmp_path):
     )
     record = tmp_path / "record.json"
     args = [
-        sys.executable, "-m", "tests.helpers.plain_cli", "fit", f"--config={MIRRORED}", f"--config={config}",
+        sys.executable, "-m", "tests.helpers.plain_cli", "fit", *MIRRORED, f"--config={config}",
         *quiet_trainer_args(tmp_path), "--trainer.max_steps=2", "--trainer.limit_val_batches=0",
         "--trainer.callbacks=[]", *_record_args(record),
     ]  # fmt: skip
@@ -109,7 +109,7 @@ def test_evaluation_subcommands_report_the_metrics_of_the_checkpoint(tmp_path, d
     record = tmp_path / "metrics.json"
     run = ds_train(
         [
-            subcommand, f"--config={MIRRORED}", f"--ckpt_path={digits_checkpoint}", *quiet_trainer_args(tmp_path),
+            subcommand, *MIRRORED, f"--ckpt_path={digits_checkpoint}", *quiet_trainer_args(tmp_path),
             "--trainer.callbacks+=tests.helpers.callbacks.RecordMetrics", f"--trainer.callbacks.path={record}",
         ]
     )  # fmt: skip
@@ -138,7 +138,7 @@ def test_predict_subcommand_predicts_every_sample_once_as_the_checkpoint_does(tm
     out = tmp_path / "predictions"
     run = ds_train(
         [
-            "predict", f"--config={MIRRORED}", f"--ckpt_path={digits_checkpoint}", *quiet_trainer_args(tmp_path),
+            "predict", *MIRRORED, f"--ckpt_path={digits_checkpoint}", *quiet_trainer_args(tmp_path),
             "--trainer.callbacks+=tests.helpers.callbacks.SavePredictions", f"--trainer.callbacks.path={out}",
         ]
     )  # fmt: skip
@@ -209,20 +209,20 @@ def early_exits(tmp_path_factory) -> dict[str, tuple[str, str]]:
     root = tmp_path_factory.mktemp("cli")
     class_path = "--trainer.strategy=ds_lightning.strategies.MirroredStrategy"
     calls = {
-        "print-name": ["fit", f"--config={MIRRORED}", "--print_config"],
-        "print-class-path": ["fit", f"--config={MIRRORED}", class_path, "--print_config"],
-        "unknown-name": ["fit", f"--config={MIRRORED}", "--trainer.strategy=ds_mirorred"],
+        "print-name": ["fit", *MIRRORED, "--print_config"],
+        "print-class-path": ["fit", *MIRRORED, class_path, "--print_config"],
+        "unknown-name": ["fit", *MIRRORED, "--trainer.strategy=ds_mirorred"],
         # One more CUDA device than this machine has (on a machine without CUDA: any).
         "too-many-cuda": [
             "fit",
-            f"--config={MIRRORED}",
+            *MIRRORED,
             *quiet_trainer_args(root),
             "--trainer.accelerator=cuda",
             f"--trainer.devices={torch.cuda.device_count() + 1}",
         ],
     }
     for label, (override, _) in BAD_OVERRIDES.items():
-        calls[label] = ["fit", f"--config={MIRRORED}", *quiet_trainer_args(root), class_path, override]
+        calls[label] = ["fit", *MIRRORED, *quiet_trainer_args(root), class_path, override]
     for config in sorted(CONFIGS.glob("*.yaml")):
         calls[config.name] = ["fit", f"--config={config}", "--print_config"]
     return dict(zip(calls, _cli_calls(list(calls.values())), strict=True))
@@ -270,3 +270,5 @@ def test_example_configs_parse(early_exits):
         assert code == "0", (name, output[-3000:])
         assert text in output, (name, output[-2000:])
         assert "model:" in output and "trainer:" in output
+        # The same file on a laptop, a CPU box and a GPU node; the tests pin cpu and the process count.
+        assert "accelerator: auto" in output and "devices: auto" in output, (name, output[-2000:])

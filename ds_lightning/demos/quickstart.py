@@ -28,14 +28,16 @@ def demo_config(strategy: str) -> str:
     The digits classifier with two hidden layers (so that two pipeline stages or two devices each get layers), 5
     epochs, and the training report. ``ds_model_parallel`` places its stages on the devices of one process; every other
     strategy starts a process per device, and where there is no GPU the demo starts two CPU processes, so that the
-    strategy has something to distribute.
+    strategy has something to distribute (as ``make demo`` does with the example configs).
     """
     one_process = strategy.startswith("ds_model_parallel")
-    devices: int | str = "auto" if one_process or torch.cuda.is_available() else 2
+    # Without CUDA: 2 CPU processes, named so (`auto` would put both on one Apple GPU where MPS is present).
+    auto = one_process or torch.cuda.is_available()
+    devices: int | str = "auto" if auto else 2
     config = {
         "seed_everything": 0,
         "trainer": {
-            "accelerator": "auto",
+            "accelerator": "auto" if auto else "cpu",
             "devices": devices,
             "strategy": strategy,
             "max_epochs": 5,

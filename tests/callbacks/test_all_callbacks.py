@@ -12,7 +12,7 @@ from ds_lightning.callbacks import GradientAccumulation, LRScaling, MixedPrecisi
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from ds_lightning.strategies import LayerSplitStrategy
 from tests.helpers.callbacks import RecordSteps
-from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.runner import ds_train, example_config, quiet_trainer_args
 from tests.helpers.trainers import quiet_trainer
 
 
@@ -23,7 +23,7 @@ def test_the_callbacks_example_trains_with_all_four_live(tmp_path):
     ds_train(
         [
             "fit",
-            f"--config={CONFIGS / 'callbacks.yaml'}",
+            *example_config("callbacks.yaml"),
             *quiet_trainer_args(tmp_path),
             "--trainer.callbacks+=ds_lightning.demos.TrainingReport",
             f"--trainer.callbacks.output_json={report}",

@@ -424,7 +424,13 @@ def test_the_fault_tolerant_example_resumes_through_ds_train(tmp_path: Path) -> 
     config = tmp_path / "fault_tolerant.yaml"
     text = (CONFIGS / "fault_tolerant.yaml").read_text()
     config.write_text(text.replace("backup_dir: runs/fault_tolerant/backups", f"backup_dir: {tmp_path / 'b'}"))
-    args = ["fit", f"--config={config}", *quiet_trainer_args(tmp_path)]
+    args = [
+        "fit",
+        f"--config={config}",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=2",
+        *quiet_trainer_args(tmp_path),
+    ]
     first = ds_train([*args, "--trainer.max_steps=20"])
     assert "resuming from" not in first.output
     assert (tmp_path / "b" / "backup-step000000020.ckpt").exists()

@@ -16,10 +16,10 @@ from ds_lightning.callbacks import GradientAccumulation
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from tests.helpers.controls import assert_far
 from tests.helpers.models import TinyData, TinyModule
-from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.runner import ds_train, example_config, quiet_trainer_args
 from tests.helpers.trainers import quiet_trainer
 
-MIRRORED = CONFIGS / "mirrored.yaml"
+MIRRORED = example_config("mirrored.yaml")
 
 
 @pytest.mark.parametrize(
@@ -106,7 +106,7 @@ def test_two_ranks_reach_a_global_batch_of_64_like_one_process_including_the_par
     ds_train(
         [
             "fit",
-            f"--config={MIRRORED}",
+            *MIRRORED,
             *quiet_trainer_args(tmp_path),
             f"--trainer.max_epochs={epochs}",
             f"--trainer.limit_train_batches={batches}",

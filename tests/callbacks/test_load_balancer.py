@@ -19,10 +19,10 @@ from ds_lightning.data.share_sampler import ShareBatchSampler
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from tests.helpers.controls import assert_far
 from tests.helpers.models import TinyData, TinyModule
-from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.runner import ds_train, example_config, quiet_trainer_args
 from tests.helpers.trainers import quiet_trainer
 
-MIRRORED = CONFIGS / "mirrored.yaml"
+MIRRORED = example_config("mirrored.yaml")
 
 
 @pytest.mark.parametrize(
@@ -112,7 +112,7 @@ def _reference_params(
 def _args(tmp_path: Path, out: Path, balancer: list[str], model: list[str], steps: int) -> list[str]:
     return [
         "fit",
-        f"--config={MIRRORED}",
+        *MIRRORED,
         *quiet_trainer_args(tmp_path),
         f"--trainer.max_steps={steps}",
         "--trainer.limit_val_batches=0",

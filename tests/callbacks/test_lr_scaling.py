@@ -12,9 +12,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from ds_lightning.callbacks import LRScaling
 from tests.helpers.models import TinyModule
-from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.runner import ds_train, example_config, quiet_trainer_args
 
-MIRRORED = CONFIGS / "mirrored.yaml"
+MIRRORED = example_config("mirrored.yaml")
 
 
 @pytest.mark.parametrize(
@@ -51,7 +51,7 @@ def _expected_lr(step: int, factor: float) -> float:
 def _args(tmp_path: Path, out: Path, devices: int, max_steps: int) -> list[str]:
     return [
         "fit",
-        f"--config={MIRRORED}",
+        *MIRRORED,
         *quiet_trainer_args(tmp_path),
         f"--trainer.devices={devices}",
         f"--trainer.max_steps={max_steps}",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ds_lightning.testing.netns import Cluster, Host
-from tests.helpers.runner import CONFIGS, REPO, free_port, quiet_trainer_args, worker_env
+from tests.helpers.runner import REPO, example_config, free_port, quiet_trainer_args, worker_env
 
 RUN_TIMEOUT = 240.0
 
@@ -45,7 +45,7 @@ def fit_args(config: str, root: Path, *extra: str) -> list[str]:
     """``ds-train fit`` of an example config, one process per task, quiet, its TrainingReport to root/report.json."""
     return [
         "fit",
-        f"--config={CONFIGS / config}",
+        *example_config(config),
         *quiet_trainer_args(root),
         "--trainer.devices=1",
         f"--trainer.callbacks.output_json={root / 'report.json'}",

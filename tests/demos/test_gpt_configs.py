@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ds_lightning.demos import GPT, TextDataModule
-from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.runner import ds_train, example_config, quiet_trainer_args
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,7 +43,7 @@ def test_gpt_config_trains_validates_and_samples(tmp_path, config):
     run = ds_train(
         [
             "fit",
-            f"--config={CONFIGS / f'{config}.yaml'}",
+            *example_config(f"{config}.yaml"),
             *quiet_trainer_args(tmp_path),
             *SMALL,
             # The list's last callback is TrainingReport; time from the second step on.

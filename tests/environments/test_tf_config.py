@@ -12,7 +12,7 @@ import torch
 
 from ds_lightning.environments import TFConfig, TFConfigEnvironment, TFConfigError
 from ds_lightning.strategies import MirroredStrategy
-from tests.helpers.runner import CONFIGS, REPO, free_port, quiet_trainer_args, worker_env
+from tests.helpers.runner import REPO, example_config, free_port, quiet_trainer_args, worker_env
 
 
 def tf_config(cluster: dict, task_type: str = "worker", index: int = 0) -> str:
@@ -128,7 +128,7 @@ def test_two_tasks_each_with_its_own_tf_config_train_together(tmp_path):
         env = worker_env(TF_CONFIG=tf_config(cluster, task_type, index))
         env.pop("MASTER_PORT")
         args = [
-            sys.executable, "-m", "ds_lightning.cli", "fit", f"--config={CONFIGS / 'mirrored.yaml'}",
+            sys.executable, "-m", "ds_lightning.cli", "fit", *example_config("mirrored.yaml"),
             *quiet_trainer_args(tmp_path), "--trainer.devices=1", "--trainer.max_steps=5",
             "--trainer.limit_val_batches=0",
             "--trainer.callbacks+=tests.helpers.callbacks.RecordStrategy", f"--trainer.callbacks.path={record}",

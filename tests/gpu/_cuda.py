@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from tests.gpu._runs import run
@@ -15,6 +16,13 @@ from tests.helpers.runner import REPO, worker_env
 
 BATCH = 16  # rows per replica and step
 STEPS = 16
+
+
+def needs_gpus(count: int) -> None:
+    """Skip, saying so, where fewer than ``count`` CUDA devices are visible; also under ``make test-gpu``, where one GPU
+    runs every other test."""
+    if torch.cuda.device_count() < count:
+        pytest.skip(f"needs {count} CUDA devices, this machine shows {torch.cuda.device_count()}")
 
 
 def gpus(at_most: int = 2) -> int:
@@ -47,8 +55,11 @@ def launch(tmp_path: Path, name: str, spec: dict[str, Any], ranks: int, timeout:
     return results
 
 
-def cpu_reference(tmp_path: Path, replicas: int = 1, steps: int = STEPS) -> dict[str, Any]:
-    """One CPU process, fp32, on the global batch of ``replicas`` data-parallel ranks: the same rows per step."""
+def cpu_reference(
+    tmp_path: Path, replicas: int = 1, steps: int = STEPS, model: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One CPU process, fp32, on the global batch of ``replicas`` data-parallel ranks: the same rows per step;
+    ``model``: the ``Net`` options of the run it stands for."""
     out = tmp_path / "cpu_reference"
     run(
         {
@@ -58,6 +69,7 @@ def cpu_reference(tmp_path: Path, replicas: int = 1, steps: int = STEPS) -> dict
             "batch_size": BATCH * replicas,
             "steps": steps,
             "out": str(out),
+            "model": model or {},
         }
     )
     return torch.load(f"{out}.rank0.pt", weights_only=False)

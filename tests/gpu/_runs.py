@@ -3,7 +3,8 @@
 Usage: ``python -m tests.gpu._runs SPEC.json``. The spec names a strategy by its registry name (``"ds_mirrored"``,
 ``"ds_pipeline"``, ``"ds_parameter_server"``; ``"single"`` for one plain device), its options, the accelerator and
 devices. Every training rank writes ``{out}.rank{r}.pt``: its per-step losses, final parameters (on CPU), the devices
-and dtypes its parameters had while training, and the process group's backend.
+and dtypes its parameters had while training, and the process group's backend. With ``"save_params": true`` the final
+parameters are gathered as training ends instead (:class:`~tests.helpers.callbacks.SaveParams`, whole where sharded).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import ds_lightning  # noqa: F401  (registers the ds_* strategy names)
+from tests.helpers.callbacks import SaveParams
 
 FEATURES, CLASSES = 16, 4
 
@@ -38,14 +40,14 @@ class Net(pl.LightningModule):
     """Follows the ds_pipeline and ds_model_parallel contract: ``self.net`` (an ``nn.Sequential``) and
     ``pipeline_loss``. Plain SGD, so a server-side or split optimizer has the same numerics as one process."""
 
-    def __init__(self, lr: float = 0.5, depth: int = 2) -> None:
+    def __init__(self, lr: float = 0.5, depth: int = 2, momentum: float = 0.0) -> None:
         super().__init__()
         torch.manual_seed(0)
         layers: list[nn.Module] = []
         for _ in range(depth):
             layers += [nn.Linear(FEATURES, FEATURES), nn.Tanh()]
         self.net = nn.Sequential(*layers, nn.Linear(FEATURES, CLASSES))
-        self.lr = lr
+        self.lr, self.momentum = lr, momentum
         self.losses: list[float] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,7 +63,7 @@ class Net(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=self.momentum)
 
 
 class RecordDevices(Callback):
@@ -102,7 +104,8 @@ def run(spec: dict[str, Any]) -> None:
         enable_model_summary=False,
         enable_checkpointing=False,
         use_distributed_sampler=False,
-        callbacks=[record],
+        # Sharded parameters (FSDP2) are gathered whole while training ends, into {out}.params.rank{r}.pt.
+        callbacks=[record, SaveParams(f"{spec['out']}.params")] if spec.get("save_params") else [record],
         default_root_dir=str(Path(spec["out"]).parent),
     )
     data = make_data()
@@ -116,9 +119,10 @@ def run(spec: dict[str, Any]) -> None:
     trainer.fit(model, loader)
     if getattr(strategy, "is_server", False):
         return
+    final = None if spec.get("save_params") else {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     result = {
         "losses": model.losses,
-        "final": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()},
+        "final": final,
         "devices": record.devices,
         "dtypes": record.dtypes,
         "backend": dist.get_backend() if dist.is_available() and dist.is_initialized() else None,

@@ -12,6 +12,7 @@ import torch
 from torch.testing import assert_close
 
 from ds_lightning.strategies.layer_split import LayerSplitStrategy
+from tests.gpu._cuda import needs_gpus
 from tests.helpers.controls import assert_far
 from tests.helpers.device_map_runs import STEPS, fit
 
@@ -29,8 +30,8 @@ TIED_SPLIT = {
 
 
 def _devices(layout: str) -> list[str]:
-    if layout == "cuda:0 and cuda:1" and torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 CUDA devices, this machine shows {torch.cuda.device_count()}")
+    if layout == "cuda:0 and cuda:1":
+        needs_gpus(2)
     return ["cuda:0", "cuda:1"] if layout == "cuda:0 and cuda:1" else ["cuda:0"]
 
 

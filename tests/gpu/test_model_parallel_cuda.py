@@ -6,13 +6,12 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
-import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 from torch.testing import assert_close
 from torch.utils.data import DataLoader
 
-from tests.gpu._cuda import BATCH, STEPS, assert_learned, cpu_reference
+from tests.gpu._cuda import BATCH, STEPS, assert_learned, cpu_reference, needs_gpus
 from tests.gpu._runs import Net, make_data
 
 pytestmark = pytest.mark.cuda
@@ -31,8 +30,8 @@ class _StageDevices(Callback):
 
 @pytest.mark.parametrize("stages", ["cuda:0 twice", "cuda:0 and cuda:1"])
 def test_ds_model_parallel_on_cuda_matches_one_cpu_process(tmp_path, stages):
-    if stages == "cuda:0 and cuda:1" and torch.cuda.device_count() < 2:
-        pytest.skip(f"needs 2 CUDA devices, this machine shows {torch.cuda.device_count()}")
+    if stages == "cuda:0 and cuda:1":
+        needs_gpus(2)
     devices = ["cuda:0", "cuda:0"] if stages == "cuda:0 twice" else ["cuda:0", "cuda:1"]
     entry = StrategyRegistry["ds_model_parallel"]
     strategy = entry["strategy"](**{**entry["init_params"], "devices": devices, "n_microbatches": 4})

@@ -187,7 +187,7 @@ def main(spec_path: str) -> None:
     elif name == "ds_mirrored" and spec.get("strategy_kwargs"):
         strategy = ds_lightning.MirroredStrategy(**spec["strategy_kwargs"])
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=spec.get("accelerator", "cpu"),  # "cuda": tests/gpu
         devices=spec.get("devices", 2),
         strategy=strategy,
         max_epochs=spec.get("max_epochs", 2),

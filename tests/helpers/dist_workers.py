@@ -15,13 +15,18 @@ from torch.nn.parallel import DistributedDataParallel
 from ds_lightning.comm import GradientCompressor
 
 
-def _init(rank: int, world: int, port: int) -> None:
+def _init(rank: int, world: int, port: int, backend: str = "gloo") -> torch.device:
+    """Join the process group on ``backend``; return this rank's device (``cuda:<rank>`` under NCCL, else the CPU)."""
     # A hung worker prints its stacks and exits, so the test fails fast instead of waiting for pytest's timeout.
     faulthandler.dump_traceback_later(120, exit=True, file=sys.stderr)
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's collectives, all_gather_object's too, run on the current device
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    return device
 
 
 def _model() -> nn.Module:

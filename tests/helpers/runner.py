@@ -31,6 +31,7 @@ __all__ = [
     "WarmRanks",
     "check_budget",
     "ds_train",
+    "example_config",
     "free_port",
     "quiet_trainer_args",
     "run_module",
@@ -61,6 +62,18 @@ def check_budget(timeout: float) -> None:
             f"a run budget of timeout={timeout:g} s is not under this test's pytest timeout of {_test_timeout_s:g} s, "
             f"so it would never apply: lower the budget or raise the test's @pytest.mark.timeout above it"
         )
+
+
+def example_config(name: str, devices: int | None = 2) -> list[str]:
+    """``--config`` for ``examples/configs/<name>``, with what a CPU test relies on said on the command line.
+
+    The example files say ``accelerator: auto`` and ``devices: auto``: every GPU of a GPU machine, one process on a
+    CPU. A test pins ``cpu`` and the process count its assertions assume (the files' 2 until they said ``auto``), so it
+    runs the same on a GPU machine. Arguments after these still override them (``--trainer.devices=1``).
+    ``devices=None`` leaves the count to the file.
+    """
+    args = [f"--config={CONFIGS / name}", "--trainer.accelerator=cpu"]
+    return args if devices is None else [*args, f"--trainer.devices={devices}"]
 
 
 def worker_env(**extra: str) -> dict[str, str]:

@@ -17,9 +17,9 @@ import torch
 from torch.testing import assert_close
 
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
-from tests.helpers.runner import CONFIGS, quiet_trainer_args
+from tests.helpers.runner import example_config, quiet_trainer_args
 
-MIRRORED = str(CONFIGS / "mirrored.yaml")
+MIRRORED = example_config("mirrored.yaml")
 HIDDEN = "[64, 64]"  # parameters of near-equal size, so a per-parameter partition can halve the state
 STEPS_PER_EPOCH = 23  # 1437 samples, 2 ranks, batches of 32
 
@@ -28,7 +28,7 @@ def fit_args(root: Path, out: Path, epochs: int, shard: bool, extra: list[str] =
     """``ds-train fit`` arguments: ``epochs`` epochs of ds_mirrored under Adam, recording into ``out`` and ``root``."""
     return [
         "fit",
-        f"--config={MIRRORED}",
+        *MIRRORED,
         *quiet_trainer_args(root),
         f"--trainer.max_epochs={epochs}",
         "--trainer.limit_val_batches=0",

@@ -17,9 +17,9 @@ from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 from ds_lightning.strategies import MirroredStrategy
 from tests.comm.wire_workers import expected_powersgd_bytes
 from tests.helpers.controls import assert_far
-from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.runner import ds_train, example_config, quiet_trainer_args
 
-MIRRORED = str(CONFIGS / "mirrored.yaml")
+MIRRORED = example_config("mirrored.yaml")
 
 
 def _load_rank(path: Path, rank: int) -> dict:
@@ -96,7 +96,7 @@ def test_two_ranks_match_single_process_with_double_batch(tmp_path):
     ds_train(
         [
             "fit",
-            f"--config={MIRRORED}",
+            *MIRRORED,
             *quiet_trainer_args(tmp_path),
             f"--trainer.max_steps={steps}",
             "--trainer.limit_val_batches=0",
@@ -158,7 +158,7 @@ def test_every_option_reaches_the_live_strategy_from_yaml(tmp_path, init_args, e
     run = ds_train(
         [
             "fit",
-            f"--config={MIRRORED}",
+            *MIRRORED,
             f"--config={config}",
             *quiet_trainer_args(tmp_path),
             "--trainer.max_steps=3",
@@ -183,7 +183,7 @@ def test_compressed_training_converges_on_digits(tmp_path, compression):
     ds_train(
         [
             "fit",
-            f"--config={MIRRORED}",
+            *MIRRORED,
             *quiet_trainer_args(tmp_path),
             "--trainer.max_epochs=4",
             "--trainer.strategy=ds_lightning.strategies.MirroredStrategy",
@@ -219,7 +219,7 @@ def test_powersgd_runs_on_gloo_with_a_large_multi_bucket_model(tmp_path):
     ds_train(
         [
             "fit",
-            f"--config={MIRRORED}",
+            *MIRRORED,
             *quiet_trainer_args(tmp_path),
             "--trainer.max_steps=25",
             "--trainer.limit_val_batches=0",
@@ -243,7 +243,7 @@ def test_powersgd_runs_on_gloo_with_a_large_multi_bucket_model(tmp_path):
 def _fit_args(tmp_path: Path, compression: str, epochs: int, out: Path) -> list[str]:
     return [
         "fit",
-        f"--config={MIRRORED}",
+        *MIRRORED,
         *quiet_trainer_args(tmp_path),
         f"--trainer.max_epochs={epochs}",
         "--trainer.limit_val_batches=0",
@@ -304,7 +304,7 @@ def test_resume_matches_uninterrupted_run_and_checkpoint_loads_on_one_device(tmp
 def _uneven_args(tmp_path: Path, out: Path, data: list[str], extra: list[str] = ()) -> list[str]:
     return [
         "fit",
-        f"--config={MIRRORED}",
+        *MIRRORED,
         *quiet_trainer_args(tmp_path),
         "--trainer.max_epochs=2",
         "--trainer.limit_val_batches=0",

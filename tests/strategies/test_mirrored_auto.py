@@ -13,9 +13,9 @@ from torch.testing import assert_close
 
 from ds_lightning.comm.compression import GradientCompressor
 from ds_lightning.strategies import MirroredStrategy, mirrored
-from tests.helpers.runner import CONFIGS, ds_train, quiet_trainer_args
+from tests.helpers.runner import ds_train, example_config, quiet_trainer_args
 
-MIRRORED = str(CONFIGS / "mirrored.yaml")
+MIRRORED = example_config("mirrored.yaml")
 STEPS, INTERVAL, START = 12, 4, 10
 BATCH = 120  # with the 1,438 training digits on 2 ranks: 6 steps an epoch
 
@@ -53,7 +53,7 @@ def _fit(root: Path, out: Path, extra: list[str], max_steps: int = STEPS) -> Non
     ds_train(
         [
             "fit",
-            f"--config={MIRRORED}",
+            *MIRRORED,
             *extra,
             *quiet_trainer_args(root),
             f"--trainer.max_steps={max_steps}",

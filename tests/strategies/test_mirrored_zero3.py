@@ -32,7 +32,7 @@ from ds_lightning.strategies import MirroredStrategy
 from ds_lightning.strategies.capabilities import capabilities_of
 from tests.helpers.backup_compose import assert_composed_run_matches_plain_and_resumes
 from tests.helpers.hf_models import HFGPT2
-from tests.helpers.runner import CONFIGS, run_ranks
+from tests.helpers.runner import example_config, run_ranks
 from tests.helpers.sharding_runs import params
 from tests.helpers.zero3_runs import STEPS, TIES, hf_gpt2, tied_gpt
 
@@ -111,7 +111,7 @@ def test_ds_train_takes_the_options_in_both_yaml_forms(tmp_path):
         "trainer:\n  strategy:\n    class_path: ds_lightning.strategies.MirroredStrategy\n"
         "    init_args:\n      shard_parameters: true\n      cpu_offload: true\n"
     )
-    base = ["fit", f"--config={CONFIGS / 'mirrored.yaml'}"]
+    base = ["fit", *example_config("mirrored.yaml")]
     code, printed = _ds_train([*base, f"--config={config}", "--print_config"])
     assert code == 0 and "shard_parameters: true" in printed and "cpu_offload: true" in printed, printed
     class_path = "--trainer.strategy=ds_lightning.strategies.MirroredStrategy"

@@ -26,7 +26,7 @@ from ds_lightning.parameter_server.tensor_messages import FRAME_BYTES
 from tests.helpers import ps_runs
 from tests.helpers.controls import assert_far, without_optimizer_state
 from tests.helpers.ps_runs import Net, make_data
-from tests.helpers.runner import CONFIGS, REPO, ds_train, free_port, quiet_trainer_args, worker_env
+from tests.helpers.runner import REPO, ds_train, example_config, free_port, quiet_trainer_args, worker_env
 
 PS = "ds_parameter_server"
 # A run that must fail within its strategy's `timeout` may also take this long to start its processes and to stop.
@@ -302,7 +302,7 @@ def test_asynchronous_training_reaches_90_percent_on_digits(tmp_path: Path, serv
     ds_train(
         [
             "fit",
-            f"--config={CONFIGS / 'parameter_server.yaml'}",
+            *example_config("parameter_server.yaml"),
             f"--trainer.strategy.init_args.num_servers={servers}",
             "--trainer.strategy.init_args.min_shard_bytes=4096",
             *quiet_trainer_args(tmp_path),
@@ -470,7 +470,7 @@ def test_a_tf_config_cluster_of_three_hand_started_tasks(tmp_path: Path) -> None
     report = tmp_path / "report.json"
     args = [
         "fit",
-        f"--config={CONFIGS / 'parameter_server.yaml'}",
+        *example_config("parameter_server.yaml"),
         "--trainer.devices=1",
         "--trainer.max_epochs=3",
         *quiet_trainer_args(tmp_path),

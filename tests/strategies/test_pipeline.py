@@ -19,7 +19,7 @@ from ds_lightning.pipeline import PipelineLayout
 from ds_lightning.pipeline.schedules import SCHEDULES
 from tests.helpers.controls import assert_far, without_optimizer_state
 from tests.helpers.pipeline_runs import PipeMLP, SequentialData, make_data
-from tests.helpers.runner import CONFIGS, REPO, ds_train, quiet_trainer_args, worker_env
+from tests.helpers.runner import REPO, ds_train, example_config, quiet_trainer_args, worker_env
 
 STEPS = 3
 EPOCH = 4  # 128 rows in batches of 32; checkpoints are taken at epoch ends so a resume starts a fresh epoch
@@ -542,7 +542,7 @@ def test_example_pipeline_config_trains_the_digits_with_ds_train(tmp_path):
     run = ds_train(
         [
             "fit",
-            f"--config={CONFIGS / 'pipeline.yaml'}",
+            *example_config("pipeline.yaml"),
             *quiet_trainer_args(tmp_path),
             f"--trainer.strategy.init_args.trace_path={trace}",
             f"--trainer.callbacks.output_json={report}",
@@ -566,7 +566,7 @@ def test_accumulation_and_lr_scaling_callbacks_drive_the_pipeline(tmp_path):
     ds_train(
         [
             "fit",
-            f"--config={CONFIGS / 'pipeline.yaml'}",
+            *example_config("pipeline.yaml"),
             *quiet_trainer_args(tmp_path),
             "--trainer.max_steps=4",
             "--trainer.limit_val_batches=0",
