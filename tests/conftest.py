@@ -58,10 +58,14 @@ def pytest_timeout_cancel_timer(item):
 
 def pytest_collection_modifyitems(config, items):
     """Under ``pytest -n`` (``--dist loadgroup``), the tests that build network-namespace clusters run on one worker,
-    one at a time: each picks its subnet and names from what exists when it starts, so two at once could clash.
+    one at a time: each picks its subnet and names from what exists when it starts, so two at once could clash; and
+    the tests reading one module-scoped launch (``compile_mirrored``) run on one worker, so it runs once.
     Without pytest-xdist (the version matrix's venvs) the mark is unknown, and nothing runs in parallel anyway."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        if {"cluster_factory", "netns_required"} & set(getattr(item, "fixturenames", ())):
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if {"cluster_factory", "netns_required"} & fixtures:
             item.add_marker(pytest.mark.xdist_group("netns"))
+        elif "compile_mirrored" in fixtures:
+            item.add_marker(pytest.mark.xdist_group("compile_mirrored"))

@@ -10,6 +10,7 @@ from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
+from ds_lightning.pipeline.compiled import refuse_compiled_part
 from ds_lightning.pipeline.layout import PipelineLayout
 
 __all__ = [
@@ -29,9 +30,11 @@ def user_sequential(module: LightningModule, attribute: str) -> nn.Sequential:
     """The ``nn.Sequential`` to pipeline.
 
     Raises:
+        ValueError: when the attribute is a ``torch.compile``'d module (see :mod:`ds_lightning.pipeline.compiled`).
         TypeError: when the attribute is missing or not an ``nn.Sequential``, naming the fix.
 
     """
+    refuse_compiled_part("ds_pipeline", module, attribute)
     seq = getattr(module, attribute, None)
     if not isinstance(seq, nn.Sequential):
         found = "no such attribute" if seq is None else f"a {type(seq).__name__}"

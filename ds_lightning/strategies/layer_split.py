@@ -29,6 +29,7 @@ from ds_lightning import _validation as check
 from ds_lightning.data.resumable import DataCursor, position_loader
 from ds_lightning.device_map import DeviceHooks, check_device_map, devices_of, place
 from ds_lightning.environments.external_launch import refuse_several_launched
+from ds_lightning.pipeline.compiled import refuse_compiled_part
 from ds_lightning.pipeline.microbatch import MicroBatchedSequential
 from ds_lightning.pipeline.partition import check_balance, resolve_balance
 from ds_lightning.pipeline.profile import auto_balance
@@ -309,12 +310,13 @@ class LayerSplitStrategy(SingleDeviceStrategy):
                 f" split in an nn.Sequential attribute, e.g. `self.{name} = nn.Sequential(...)`, or name yours with"
                 " LayerSplitStrategy(pipe_module=...)."
             )
+        refuse_compiled_part("ds_model_parallel", module, name)
         seq = module._modules[name]
         if not isinstance(seq, nn.Sequential):
             raise TypeError(
                 f"ds_model_parallel splits `{type(module).__name__}.{name}`, which is a {type(seq).__name__}, not an"
                 " nn.Sequential. The contract: the part to split is an nn.Sequential of layers that each take and"
-                " return one tensor, called from training_step as `self.{name}(x)`."
+                f" return one tensor, called from training_step as `self.{name}(x)`."
             )
         if type(seq).forward is not nn.Sequential.forward:
             raise TypeError(
@@ -398,6 +400,7 @@ class LayerSplitStrategy(SingleDeviceStrategy):
                 " device_map, but it does not exist; name the attribute that holds your network with"
                 " LayerSplitStrategy(pipe_module=...)."
             )
+        refuse_compiled_part("ds_model_parallel", module, self.pipe_module)
         if self._device_hooks is not None:
             self._device_hooks.detach()
         assert self.device_map is not None and self.model is not None

@@ -33,6 +33,7 @@ from ds_lightning.pipeline import microbatch, split
 from ds_lightning.pipeline import state as pipe_state
 from ds_lightning.pipeline.checkpoints import StageCheckpoints
 from ds_lightning.pipeline.clipping import GlobalNormPrecision, check_pipeline_precision
+from ds_lightning.pipeline.compiled import compile_stages
 from ds_lightning.pipeline.graph_split import check_split_points
 from ds_lightning.pipeline.layout import PipelineLayout
 from ds_lightning.pipeline.mesh import PipelineGroups, build_groups
@@ -325,10 +326,11 @@ class PipelineStrategy(TracedSplitting, StageCheckpoints, ClusterStrategy):
         module = self.lightning_module
         inner.convert_module(module)  # before the split: bf16-true stages are traced and sized in bf16
         self._split(trainer, module)
+        assert self._groups is not None and self._runtime is not None
+        compile_stages(module, self._runtime.stages, "ds_pipeline")  # under trainer.fit(torch.compile(model))
         module.to(self.root_device)
         self.model = module
         self._sync_replicas()
-        assert self._groups is not None and self._runtime is not None
         self._precision_plugin = GlobalNormPrecision(self._groups.pipeline, inner, self._runtime.duplicate_copies())
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)

@@ -117,6 +117,9 @@ class AutoState:
     probe_sizes: tuple[int, ...] = PROBE_BYTES
     _compress_s: dict[str, float] | None = None
     _step_started: float | None = None
+    # The first step after set-up or a restore is not timed: it holds torch.compile's compilation (seconds) and lazy
+    # initialisation, and as the only figure at the first decision it made every compression look worthless.
+    _first_step_timed: bool = False
     _in_step: bool = False
     _buckets_open: int = 0
     _probed_this_step: bool = False
@@ -172,7 +175,9 @@ class AutoState:
     def _begin_step(self) -> None:
         now = time.perf_counter()
         if self._step_started is not None and not self._probed_this_step:
-            self._step_times.append(now - self._step_started)
+            if self._first_step_timed:
+                self._step_times.append(now - self._step_started)
+            self._first_step_timed = True
         self._probed_this_step = False
         due_probe = self.step > 0 and self.step % self.interval == 0
         warmup_over = self.step > 0 and any(
@@ -206,6 +211,7 @@ class AutoState:
                 candidate.load_state_dict(state[candidate.name], device=device)
         self._step_times.clear()
         self._step_started = None
+        self._first_step_timed = False
 
 
 def auto_hook(state: AutoState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
