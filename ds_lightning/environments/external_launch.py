@@ -18,16 +18,18 @@ def _launched() -> tuple[str, int] | None:
     return None
 
 
-def refuse_several_launched(strategy_name: str, fix: str) -> None:
+def refuse_several_launched(strategy_name: str, alternative: str) -> None:
     """Refuse a launch of several processes for a strategy that trains in one: each would train a copy on its own.
 
     Raises:
-        ValueError: naming the launcher, the number of processes and ``fix``.
+        ValueError: naming the launcher, the number of processes, and the fix: one process, or ``alternative``.
 
     """
     launched = _launched()
     if launched is not None:
         what, count = launched
         raise ValueError(
-            f"{strategy_name} trains in one process, but {what}={count} processes: each would train its own copy. {fix}"
+            f"{strategy_name} trains in one process, but {what}={count} processes: each would train its own copy."
+            " Start one process (one task: sbatch --nodes=1 --ntasks-per-node=1; torchrun --nproc-per-node=1), or"
+            f" {alternative}."
         )

@@ -283,11 +283,7 @@ class LayerSplitStrategy(SingleDeviceStrategy):
 
     @override
     def setup_environment(self) -> None:
-        refuse_several_launched(
-            "ds_model_parallel",
-            "Start one task (sbatch --nodes=1 --ntasks-per-node=1), or split the model across"
-            " processes and hosts with ds_pipeline.",
-        )
+        refuse_several_launched("ds_model_parallel", "split the model across processes and hosts with ds_pipeline")
         cuda = [d for d in self._stage_devices if d.type == "cuda"]
         if cuda:
             count = torch.cuda.device_count()
