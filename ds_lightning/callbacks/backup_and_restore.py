@@ -283,9 +283,10 @@ class BackupAndRestore(Callback):
             self.save(trainer)
         if preempted:
             self._writer.wait()
+            # Said before a requeue: SLURM stops the job's processes as soon as it takes the job back.
+            rank_zero_info(f"BackupAndRestore: preempted; backed up at step {step}, exiting with code {self.exit_code}")
             if self._requeue is not None:
                 self._requeue_job(trainer, asked=requeue)
-            rank_zero_info(f"BackupAndRestore: preempted; backed up at step {step}, exiting with code {self.exit_code}")
             raise SystemExit(self.exit_code)
         # After the save, which restarts the timer: a timed backup is not taken twice.
         timer = (
@@ -303,8 +304,9 @@ class BackupAndRestore(Callback):
         Every other rank waits for rank 0 to have done so.
         """
         assert self._requeue is not None
-        if trainer.is_global_zero and (asked or self._requeue.preempted()) and self._requeue.requeue():
-            rank_zero_info(f"BackupAndRestore: requeued SLURM job {self._requeue.job_id}")
+        if trainer.is_global_zero and (asked or self._requeue.preempted()):
+            rank_zero_info(f"BackupAndRestore: requeueing SLURM job {self._requeue.job_id} (scontrol requeue)")
+            self._requeue.requeue()  # a failure is logged; the backup stands for the next submission
         if _collective(trainer):
             # A job whose tasks have all exited ends instead of being requeued (and srun --kill-on-bad-exit would end
             # rank 0 on the first exit): nobody leaves before rank 0's scontrol returns. The group's timeout bounds it.

@@ -246,7 +246,7 @@ def test_sigusr1_backs_up_requeues_with_scontrol_and_the_requeued_job_ends_exact
     log = (tmp_path / "job.out").read_text()
     # One handler, ours, and the log says so; Lightning's would have saved an hpc checkpoint inside its handler.
     assert "BackupAndRestore handles SIGUSR1 in place of Lightning's handler" in log, log[-6000:]
-    assert f"BackupAndRestore: requeued SLURM job {job}" in log, log[-6000:]
+    assert f"BackupAndRestore: requeueing SLURM job {job} (scontrol requeue)" in log, log[-6000:]
     assert "Handling auto-requeue signal" not in log
     assert not list(tmp_path.rglob("hpc_ckpt_*.ckpt"))
     backups = sorted((tmp_path / "backups").glob("backup-step*.ckpt"))
@@ -280,7 +280,7 @@ def test_preemption_by_a_higher_priority_job_backs_up_in_the_grace_time_and_slur
     log = (tmp_path / "job.out").read_text()
     assert "BackupAndRestore: preempted; backed up at step" in log, log[-6000:]
     # A job that exits inside its GraceTime is not requeued by SLURM: rank 0 saw the PreemptTime and requeued it.
-    assert f"BackupAndRestore: requeued SLURM job {job}" in log, log[-6000:]
+    assert f"BackupAndRestore: requeueing SLURM job {job} (scontrol requeue)" in log, log[-6000:]
     result = final_params(tmp_path)
     print(f"preempted (SIGTERM, GraceTime) vs uninterrupted: max |diff| = {distance(result, uninterrupted):.3g}")
     torch.testing.assert_close(result, uninterrupted, rtol=0, atol=1e-6)
