@@ -25,6 +25,7 @@ from typing import Any
 
 __all__ = [
     "KINDS",
+    "PHASE_KINDS",
     "Span",
     "SpanRecorder",
     "bubble_fraction",
@@ -36,8 +37,20 @@ __all__ = [
 KINDS: tuple[str, ...] = ("forward", "backward", "backward_input", "backward_weight")
 """The span kinds, in legend order: full backward, or backward split into input and weight gradients (zero bubble)."""
 
+PHASE_KINDS: tuple[str, ...] = ("data", "compute", "comm", "optimizer")
+"""Span kinds for the phases of a whole training step (``DistributedReport``); such spans are named by kind."""
+
 _LETTERS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W"}
-_COLOURS = {"forward": "#4C72B0", "backward": "#DD8452", "backward_input": "#C44E52", "backward_weight": "#55A868"}
+_COLOURS = {
+    "forward": "#4C72B0",
+    "backward": "#DD8452",
+    "backward_input": "#C44E52",
+    "backward_weight": "#55A868",
+    "data": "#8172B3",
+    "compute": "#4C72B0",
+    "comm": "#C44E52",
+    "optimizer": "#55A868",
+}
 
 Payload = tuple[int, int, str, int, int, int, int]
 
@@ -49,7 +62,7 @@ class Span:
     Attributes:
         rank: global rank of the process that ran it.
         stage: pipeline stage index.
-        kind: one of :data:`KINDS`.
+        kind: one of :data:`KINDS`, or of :data:`PHASE_KINDS` for a whole step's phase (stage and micro-batch 0).
         microbatch: micro-batch index within the step.
         step: training step (``global_step``) the span belongs to.
         start_ns: :func:`time.time_ns` at the start.
@@ -67,8 +80,8 @@ class Span:
 
     def __post_init__(self) -> None:
         """Check the kind and that the span does not end before it starts."""
-        if self.kind not in KINDS:
-            raise ValueError(f"Span kind={self.kind!r} is unknown; use one of {list(KINDS)}.")
+        if self.kind not in KINDS and self.kind not in PHASE_KINDS:
+            raise ValueError(f"Span kind={self.kind!r} is unknown; use one of {list(KINDS + PHASE_KINDS)}.")
         if self.end_ns < self.start_ns:
             raise ValueError(f"Span ends before it starts: start_ns={self.start_ns}, end_ns={self.end_ns}.")
 
@@ -141,7 +154,7 @@ class SpanRecorder:
         A span is recorded only when the block finishes without an exception.
 
         Args:
-            kind: one of :data:`KINDS`.
+            kind: one of :data:`KINDS`, or of :data:`PHASE_KINDS` for a whole step's phase (stage and micro-batch 0).
             stage: pipeline stage index.
             microbatch: micro-batch index.
 
@@ -215,6 +228,8 @@ class SpanRecorder:
 
 
 def _event_name(span: Span) -> str:
+    if span.kind in PHASE_KINDS:
+        return span.kind
     return f"{_LETTERS[span.kind]}{span.microbatch}"
 
 
@@ -222,7 +237,8 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
     """Build a Chrome trace (chrome://tracing, Perfetto) with one process per rank and one thread per stage.
 
     Each span becomes a complete (``"X"``) event named by kind letter and micro-batch (``F3``, ``B3``, ``I3``,
-    ``W3``), with ``ts`` and ``dur`` in microseconds from the earliest span.
+    ``W3``), or by kind for a whole step's phase (``compute``, on a thread named ``steps``), with ``ts`` and
+    ``dur`` in microseconds from the earliest span.
 
     Args:
         spans: the spans, from any number of ranks and steps.
@@ -238,8 +254,12 @@ def chrome_trace(spans: Iterable[Span]) -> dict[str, Any]:
     origin = spans[0].start_ns
     for rank in sorted({s.rank for s in spans}):
         events.append({"name": "process_name", "ph": "M", "pid": rank, "tid": 0, "args": {"name": f"rank {rank}"}})
-    for rank, stage in sorted({(s.rank, s.stage) for s in spans}):
-        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": stage, "args": {"name": f"stage {stage}"}})
+    lanes: dict[tuple[int, int], bool] = {}  # (rank, stage) -> it holds only whole-step phases
+    for s in spans:
+        lanes[(s.rank, s.stage)] = lanes.get((s.rank, s.stage), True) and s.kind in PHASE_KINDS
+    for (rank, stage), steps in sorted(lanes.items()):
+        name = "steps" if steps else f"stage {stage}"
+        events.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": stage, "args": {"name": name}})
     for s in spans:
         events.append(
             {
@@ -367,7 +387,7 @@ def render_timeline_png(spans: Iterable[Span], path: str | os.PathLike[str], tit
         width = s.duration_ns / 1e6
         y = lane[s.rank]
         ax.barh(y, width, left=left, height=0.8, color=_COLOURS[s.kind], edgecolor="black", linewidth=0.4)
-        if width >= min_label_ms:
+        if width >= min_label_ms and s.kind in _LETTERS:
             ax.text(left + width / 2, y, str(s.microbatch), ha="center", va="center", fontsize=7, color="white")
     step_starts: dict[int, int] = {}
     for s in spans:
@@ -381,7 +401,7 @@ def render_timeline_png(spans: Iterable[Span], path: str | os.PathLike[str], tit
     ax.set_xlim(0, total_ms)
     ax.set_xlabel("time (ms)")
     ax.set_title(title if title is not None else "pipeline schedule")
-    present = [kind for kind in KINDS if any(s.kind == kind for s in spans)]
+    present = [kind for kind in KINDS + PHASE_KINDS if any(s.kind == kind for s in spans)]
     ax.legend(
         handles=[Patch(color=_COLOURS[kind], label=kind) for kind in present],
         loc="upper left",
