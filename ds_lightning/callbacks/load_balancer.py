@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from ds_lightning import _validation as check
+from ds_lightning.callbacks._step_clock import ClockedCallback
 from ds_lightning.data.resumable import rebuild_loader
 from ds_lightning.data.share_plan import SharePlan, split_sizes
 from ds_lightning.data.share_sampler import ShareBatchSampler
+from ds_lightning.diagnostics.step_times import step_clock
 from ds_lightning.strategies.capabilities import capabilities_of
 
 __all__ = ["DynamicLoadBalancer"]
@@ -24,14 +24,15 @@ __all__ = ["DynamicLoadBalancer"]
 _WARMUP_BATCHES = 2
 
 
-class DynamicLoadBalancer(Callback):
+class DynamicLoadBalancer(ClockedCallback):
     """Divide a fixed global batch among ``ds_mirrored`` ranks in proportion to each rank's measured speed.
 
     Synchronous data parallelism waits for the slowest device every step. The balancer measures each rank's compute
-    throughput (samples/s from the start of the batch until its last gradient bucket is launched, so time spent
-    waiting in the all-reduce is not counted), smooths it with an exponential moving average, and every
-    ``interval`` batches re-divides ``global_batch_size`` so that every rank needs about the same time. Shares keep
-    at least ``min_share`` of the batch and change only when some rank's size would move by more than
+    throughput (samples/s over the compute phase of :mod:`ds_lightning.diagnostics.step_times`: from the start of the
+    batch until its last gradient is ready, so time spent waiting in the all-reduce is not counted; the same clock
+    ``DistributedReport`` reads, so the two never time a step twice), smooths it with an exponential moving average,
+    and every ``interval`` batches re-divides ``global_batch_size`` so that every rank needs about the same time.
+    Shares keep at least ``min_share`` of the batch and change only when some rank's size would move by more than
     ``hysteresis``.
 
     Guarantees: every rank runs the same number of steps per epoch (so DDP cannot hang), every sample is drawn once
@@ -91,8 +92,6 @@ class DynamicLoadBalancer(Callback):
         self._strategy: Any = None
         self._rank = 0
         self._lag = 2
-        self._started = 0.0
-        self._backward_started = 0.0
         self._size = 0
         self._busy = 0.0
         self._samples = 0
@@ -127,6 +126,7 @@ class DynamicLoadBalancer(Callback):
                 f" but this run has {world}; give one share per rank."
             )
         self.plan, self._world, self._strategy, self._rank = None, world, strategy, trainer.global_rank
+        step_clock(trainer).reset()
         self.batches, self._epoch_start, self._seen, self._pending_state = 0, 0, 0, None
         if self.global_batch_size is not None:
             self.plan = self._make_plan(self.global_batch_size)
@@ -182,10 +182,13 @@ class DynamicLoadBalancer(Callback):
         # Lightning builds `current` as a _ProcessedTracker but declares its base class, which lacks `processed`.
         processed = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # type: ignore[attr-defined]
         self._epoch_start = self.batches - processed
+        if self._strategy is not None:
+            self.watch_gradients(trainer, pl_module)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._epoch_start = self.batches
+        super().on_train_epoch_start(trainer, pl_module)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
@@ -198,29 +201,18 @@ class DynamicLoadBalancer(Callback):
         sizes = sampler.sizes(self.batches, total)
         self._size = sizes[self._rank]
         self._strategy.gradient_weight = len(sizes) * self._size / sum(sizes)
-        self._started = time.perf_counter()
-
-    @override
-    def on_before_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule, loss: torch.Tensor) -> None:
-        self._backward_started = time.perf_counter()
-
-    @override
-    def on_after_backward(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.plan is None:
-            return
-        self._seen += 1
-        if self._seen <= _WARMUP_BATCHES:
-            return  # the first steps build DDP's buckets and warm caches: not the device's speed
-        launched = self._strategy.last_bucket_time
-        # With a gradient sync this step, its compute ended when the last bucket was launched; else now.
-        end = launched if launched > self._backward_started else time.perf_counter()
-        self._busy += end - self._started
-        self._samples += self._size
+        super().on_train_batch_start(trainer, pl_module, batch, idx)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         if self.plan is None:
             return
+        clock = step_clock(trainer)
+        step = clock.batch_end() or clock.last  # closed here, or already by another callback on the same clock
+        self._seen += 1
+        if step is not None and self._seen > _WARMUP_BATCHES:  # the first build DDP's buckets and warm caches
+            self._busy += step.compute_ns / 1e9
+            self._samples += self._size
         self.batches += 1
         if not self.interval or self.batches % self.interval:
             return
