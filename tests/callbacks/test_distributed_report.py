@@ -1,0 +1,113 @@
+"""DistributedReport: options, one process, and real 2-rank runs where a sleeping rank must be named compute-bound."""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+from pathlib import Path
+
+import pytest
+
+from ds_lightning.callbacks import DistributedReport
+from ds_lightning.demos import DigitsClassifier, DigitsDataModule
+from ds_lightning.diagnostics import step_clock
+from ds_lightning.strategies import LayerSplitStrategy
+from tests.helpers.runner import ds_train, example_config, quiet_trainer_args
+from tests.helpers.trainers import quiet_trainer
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"every_n_steps": -1}, "every_n_steps=-1"),
+        ({"trace_path": ""}, "trace_path=''"),
+        ({"output_dir": 3}, "output_dir=3"),
+        ({"warmup_steps": 1.5}, "warmup_steps=1.5"),
+        ({"tolerance": 1.0}, "tolerance=1.0"),
+        ({"gather_timeout": 0}, "gather_timeout=0"),
+    ],
+)
+def test_bad_options_fail_at_construction_naming_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DistributedReport(**kwargs)
+
+
+def test_one_process_under_ds_model_parallel_prints_and_writes_the_report(tmp_path, caplog):
+    report = DistributedReport(every_n_steps=3, trace_path=str(tmp_path / "trace.json"), output_dir=str(tmp_path))
+    strategy = LayerSplitStrategy(devices=["cpu", "cpu"], n_microbatches=2)
+    trainer = quiet_trainer(tmp_path, [report], strategy=strategy, max_steps=8, limit_val_batches=0)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(DigitsClassifier(hidden_sizes=(32,)), DigitsDataModule(batch_size=8))
+    assert "DistributedReport: median ms a step over 6 steps" in caplog.text
+    assert report.verdict is not None and report.verdict.straggler is None
+    document = json.loads((tmp_path / "report.json").read_text())
+    assert document["strategy"] == "ds_model_parallel" and len(document["steps"]["0"]) == 6
+    (summary,) = document["ranks"]
+    assert summary["compute_ms"] > 0 and summary["step_ms"] >= summary["compute_ms"]
+    assert summary["payload_sent"] == 0  # one process: no collectives during training
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    clock = step_clock(trainer)
+    assert len(clock.steps) == 8 and not clock._handles  # every step once; the gradient hooks are gone after fit
+
+
+def _run(tmp_path: Path, extra: list[str], config: str = "mirrored.yaml", steps: int = 30) -> Path:
+    out = tmp_path / "report"
+    ds_train(
+        [
+            "fit",
+            *example_config(config),
+            *quiet_trainer_args(tmp_path),
+            f"--trainer.max_steps={steps}",
+            "--trainer.limit_val_batches=0",
+            "--trainer.callbacks+=ds_lightning.callbacks.DistributedReport",
+            "--trainer.callbacks.every_n_steps=10",
+            f"--trainer.callbacks.output_dir={out}",
+            f"--trainer.callbacks.trace_path={out / 'trace.json'}",
+            *extra,
+        ],
+        ranks=2,
+    )
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_rank_sleeping_in_training_step_is_named_compute_bound(tmp_path):
+    out = _run(
+        tmp_path,
+        [
+            "--model=tests.helpers.models.SlowRankDigits",
+            "--model.hidden_sizes=[32]",
+            "--model.slow_rank=1",
+            "--model.delay_ms=0.5",  # 16 ms a step on rank 1 (32 samples)
+            "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
+            f"--trainer.logger.save_dir={tmp_path / 'logs'}",
+            "--trainer.log_every_n_steps=1",
+        ],
+    )
+    document = json.loads((out / "report.json").read_text())
+    assert document["verdict"]["straggler"] == 1 and document["verdict"]["bound"] == "compute-bound", document
+    fast, slow = document["ranks"]
+    assert slow["compute_ms"] > fast["compute_ms"] + 10  # the sleep is compute
+    assert fast["comm_ms"] > slow["comm_ms"] + 10  # and the fast rank waits for it at the all-reduce
+    # Payload at the process group: both ranks all-reduce the same gradients, at least one 32-hidden MLP a step.
+    gradient_bytes = (64 * 32 + 32 + 32 * 10 + 10) * 4
+    assert fast["payload_sent"] == slow["payload_sent"] >= 28 * gradient_bytes
+    assert fast["lost_records"] == 0
+    assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+    rows = [
+        r
+        for r in csv.DictReader(next((tmp_path / "logs").rglob("metrics.csv")).open())
+        if r.get("report/comm_ms_rank0")
+    ]
+    assert len(rows) == 2 and float(rows[-1]["report/compute_ms_rank1"]) > float(rows[-1]["report/compute_ms_rank0"])
+
+
+@pytest.mark.multiprocess
+def test_control_without_the_sleep_names_no_compute_bound_straggler(tmp_path):
+    out = _run(tmp_path, ["--model.hidden_sizes=[32]"])
+    document = json.loads((out / "report.json").read_text())
+    assert document["verdict"]["bound"] != "compute-bound", document["verdict"]
