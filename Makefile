@@ -93,7 +93,7 @@ $(DOCS_STAMP): $(STAMP)
 BENCH_TARGETS := bench-mirrored bench-mirrored-gpt bench-pipeline bench-pipeline-gpt bench-ps bench-ps-gpt \
 	bench-balance bench-balance-gpt bench-precision bench-precision-gpt bench-precision-ops bench-memory bench-memory-gpt bench-sharding \
 	bench-sharding-gpt bench-collectives bench-faults bench-cluster bench-cluster-gpt bench-cluster-hierarchical \
-	bench-cluster-hierarchical-gpt
+	bench-cluster-hierarchical-gpt bench-report
 .PHONY: $(BENCH_TARGETS)
 
 bench: bench-mirrored
@@ -105,12 +105,13 @@ bench-all: setup
 # bench-<name> runs benchmarks/<folder>/driver.py on the digits, bench-<name>-gpt on the GPT (<name>=<folder> below):
 # mirrored (ds_mirrored vs ddp, gradient_compression), pipeline (vs hand-written pipelining), ps (parameter server
 # under a straggler), balance (DynamicLoadBalancer), memory (optimizer-state sharding), sharding (ZeRO vs FSDP2 in plain
-# torch), collectives (gloo reduce-scatter / all-gather), faults (BackupAndRestore; its netns part as root).
+# torch), collectives (gloo reduce-scatter / all-gather), faults (BackupAndRestore; its netns part as root), report
+# (DistributedReport's overhead).
 BENCH_FOLDERS := mirrored=mirrored pipeline=pipeline ps=parameter_server balance=load_balance memory=memory \
-	sharding=sharding_engines collectives=collectives faults=faults
+	sharding=sharding_engines collectives=collectives faults=faults report=report_overhead
 bench_folder = $(patsubst $(1)=%,%,$(filter $(1)=%,$(BENCH_FOLDERS)))
 
-$(addprefix bench-,mirrored pipeline ps balance sharding collectives faults): bench-%: setup
+$(addprefix bench-,mirrored pipeline ps balance sharding collectives faults report): bench-%: setup
 	$(PY) -m benchmarks.$(call bench_folder,$*).driver
 
 $(addprefix bench-,$(addsuffix -gpt,mirrored pipeline ps balance sharding)): bench-%-gpt: setup

@@ -49,6 +49,7 @@ WRITES: dict[str, tuple[str, ...]] = {
     "bench-faults": ("faults",),
     **_and_gpt("cluster", "cluster"),
     **_and_gpt("cluster-hierarchical", "cluster_hierarchical"),
+    "bench-report": ("report_overhead",),
 }
 
 
