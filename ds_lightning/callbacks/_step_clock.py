@@ -30,6 +30,10 @@ class ClockedCallback(Callback):
         step_clock(trainer).pause()
 
     @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        step_clock(trainer).pause()  # a validation run inside fit is not the next batch's data loading
+
+    @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, idx: int) -> None:
         step_clock(trainer).batch_start()
 

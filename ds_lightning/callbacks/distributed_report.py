@@ -115,11 +115,6 @@ class DistributedReport(ClockedCallback):
         self._since_poll = 0
 
     @override
-    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.training:
-            step_clock(trainer).pause()  # validation is not the next batch's data loading
-
-    @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         clock = step_clock(trainer)
         clock.batch_end()

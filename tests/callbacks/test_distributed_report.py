@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import time
 from pathlib import Path
 
 import pytest
@@ -50,6 +51,20 @@ def test_one_process_under_ds_model_parallel_prints_and_writes_the_report(tmp_pa
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     clock = step_clock(trainer)
     assert len(clock.steps) == 8 and not clock._handles  # every step once; the gradient hooks are gone after fit
+
+
+class SlowValidation(DigitsClassifier):
+    def validation_step(self, batch, batch_idx):
+        time.sleep(0.05)
+        return super().validation_step(batch, batch_idx)
+
+
+def test_validation_inside_fit_is_not_counted_as_data_loading(tmp_path):
+    report = DistributedReport(every_n_steps=0, output_dir=str(tmp_path), warmup_steps=0)
+    trainer = quiet_trainer(tmp_path, [report], max_steps=8, val_check_interval=3, limit_val_batches=1)
+    trainer.fit(SlowValidation(hidden_sizes=(8,)), DigitsDataModule(batch_size=8))
+    steps = json.loads((tmp_path / "report.json").read_text())["steps"]["0"]
+    assert len(steps) == 8 and max(row[1] for row in steps) < 40  # data ms: the 50 ms validations are left out
 
 
 def _run(tmp_path: Path, extra: list[str], config: str = "mirrored.yaml", steps: int = 30) -> Path:
