@@ -23,6 +23,7 @@ from ds_lightning.diagnostics.report import (
     phase_spans,
     render_steps_png,
     report_dict,
+    transfer_ms,
     verdict,
 )
 from ds_lightning.diagnostics.step_times import PHASES, StepTime, step_clock
@@ -176,8 +177,9 @@ class DistributedReport(ClockedCallback):
             )
             for r in sorted(by_rank)
         ]
-        self.verdict = verdict(self.summaries, self.tolerance)
-        self.table = format_table(self.summaries, self.verdict, self.warmup_steps)
+        transfer = transfer_ms(by_rank)
+        self.verdict = verdict(self.summaries, self.tolerance, transfer)
+        self.table = format_table(self.summaries, self.verdict, self.warmup_steps, transfer)
         alone = not (self._together and trainer.world_size > 1)
         if rank != 0 and not alone:
             return
@@ -185,6 +187,7 @@ class DistributedReport(ClockedCallback):
         name = f"report_rank{rank}" if alone and trainer.world_size > 1 else "report"
         strategy = getattr(trainer.strategy, "strategy_name", None) or type(trainer.strategy).__name__
         meta = {"strategy": strategy, "world_size": trainer.world_size, "warmup_steps": self.warmup_steps}
+        meta.update(transfer_ms=transfer, tolerance=self.tolerance)
         if alone and trainer.world_size > 1:
             meta["note"] = f"{strategy}'s ranks do not step together: this is rank {rank}'s own report"
         folder.mkdir(parents=True, exist_ok=True)

@@ -8,10 +8,11 @@ The verdict (:func:`verdict`) compares what each rank needs for itself with what
 * **Compute-bound straggler**: the rank with the largest median busy time, when it exceeds the median of the other
   ranks' by more than the tolerance (``tolerance`` times the median step, and at least 0.5 ms). The reason names the
   phase that carries the excess (data loading, compute or optimizer).
-* **Link-bound**: no rank's own work stands out, but communication waits take more than a quarter of the step:
-  every rank finishes its backward pass at about the same time and then waits for the transfer. The straggler is the
-  rank whose wait exceeds the others' by more than the tolerance; when every rank waits alike none is named, since
-  a slow link slows every rank of a ring all-reduce.
+* **Link-bound**: no rank's own work stands out, but the transfer takes more than a quarter of the step. The
+  transfer time of a step is the shortest communication wait of any rank in it (:func:`transfer_ms`): the last rank
+  to arrive waits for no one, so what it waits is the transfer itself, while the others' waits also hold the
+  scheduling jitter between ranks. The straggler is the rank whose wait exceeds the others' by more than the
+  tolerance; when every rank waits alike none is named, since a slow link slows every rank of a ring all-reduce.
 * Otherwise the run is **balanced**.
 
 Medians over steps (after the warm-up steps) keep a single slow step, a garbage collection or a checkpoint, from
@@ -30,7 +31,16 @@ from typing import Any
 from ds_lightning.diagnostics.step_times import PHASES, StepTime
 from ds_lightning.pipeline.trace import Span
 
-__all__ = ["RankSummary", "Verdict", "format_table", "phase_spans", "render_steps_png", "report_dict", "verdict"]
+__all__ = [
+    "RankSummary",
+    "Verdict",
+    "format_table",
+    "phase_spans",
+    "render_steps_png",
+    "report_dict",
+    "transfer_ms",
+    "verdict",
+]
 
 _NOISE_MS = 0.5
 _LINK_SHARE = 0.25
@@ -113,12 +123,31 @@ def _median_except(values: dict[int, float], rank: int) -> float:
     return statistics.median(v for r, v in values.items() if r != rank)
 
 
-def verdict(summaries: Sequence[RankSummary], tolerance: float = 0.1) -> Verdict:
+def transfer_ms(steps: Mapping[int, Sequence[StepTime]]) -> float:
+    """The median over steps of the shortest communication wait of any rank in that step, in ms.
+
+    The last rank to reach a step's all-reduce waits for no one, only for the transfer itself; the others also wait
+    for it. So the shortest wait of a step is its transfer time, and what scheduling jitter adds to the others' waits
+    is left out. Steps are matched by their index; a step some rank did not measure is skipped.
+    """
+    if not steps:
+        return 0.0
+    by_step: dict[int, list[int]] = {}
+    for rank_steps in steps.values():
+        for s in rank_steps:
+            by_step.setdefault(s.step, []).append(s.comm_ns)
+    shortest = [min(waits) for waits in by_step.values() if len(waits) == len(steps)]
+    return statistics.median(shortest) / 1e6 if shortest else 0.0
+
+
+def verdict(summaries: Sequence[RankSummary], tolerance: float = 0.1, transfer: float | None = None) -> Verdict:
     """Name the straggler and say whether it is compute-bound or link-bound (rule in the module doc).
 
     Args:
         summaries: one per rank.
         tolerance: share of the median step below which differences count as noise.
+        transfer: the transfer time per step in ms (:func:`transfer_ms`); ``None`` takes the smallest rank's median
+            communication wait.
 
     Returns:
         The :class:`Verdict`.
@@ -147,28 +176,29 @@ def verdict(summaries: Sequence[RankSummary], tolerance: float = 0.1) -> Verdict
         )
     comm = {s.rank: s.comm_ms for s in measured}
     waiting = max(comm, key=lambda r: comm[r])
-    if comm[waiting] > max(_LINK_SHARE * step, floor):
-        share = comm[waiting] / step if step else 0.0
+    transfer = min(comm.values()) if transfer is None else transfer
+    if transfer > max(_LINK_SHARE * step, floor):
+        share = transfer / step if step else 0.0
         if comm[waiting] - _median_except(comm, waiting) > floor:
             return Verdict(
                 waiting,
                 "link-bound",
-                f"every rank's own work is within {floor:.2f} ms of the others', but rank {waiting} waits"
-                f" {comm[waiting]:.2f} ms a step ({share:.0%}) in communication against"
-                f" {_median_except(comm, waiting):.2f} ms on the others",
+                f"every rank's own work is within {floor:.2f} ms of the others', the transfer takes {transfer:.2f} ms"
+                f" a step ({share:.0%}), and rank {waiting} waits {comm[waiting]:.2f} ms a step in communication"
+                f" against {_median_except(comm, waiting):.2f} ms on the others",
             )
         return Verdict(
             None,
             "link-bound",
-            f"every rank's own work is within {floor:.2f} ms of the others', and every rank waits about"
-            f" {statistics.median(comm.values()):.2f} ms a step ({share:.0%}) for the transfer: the links (or the"
+            f"every rank's own work is within {floor:.2f} ms of the others', and the transfer takes"
+            f" {transfer:.2f} ms a step ({share:.0%}) even for the last rank to arrive: the links (or the"
             " collective's algorithm) set the pace, not one rank",
         )
     return Verdict(
         None,
         "balanced",
-        f"every rank's own work is within {floor:.2f} ms of the others' and communication waits take at most"
-        f" {comm[waiting]:.2f} ms of a {step:.2f} ms step",
+        f"every rank's own work is within {floor:.2f} ms of the others' and the transfer takes {transfer:.2f} ms of"
+        f" a {step:.2f} ms step",
     )
 
 
@@ -176,8 +206,10 @@ def _megabytes(value: int | None) -> str:
     return "-" if value is None else f"{value / 1e6:.2f}"
 
 
-def format_table(summaries: Sequence[RankSummary], found: Verdict, warmup_steps: int) -> str:
-    """A short text table, one row per rank, followed by the verdict."""
+def format_table(
+    summaries: Sequence[RankSummary], found: Verdict, warmup_steps: int, transfer: float | None = None
+) -> str:
+    """A short text table, one row per rank, followed by the transfer time (:func:`transfer_ms`) and the verdict."""
     steps = max((s.steps for s in summaries), default=0)
     lines = [
         f"DistributedReport: median ms a step over {steps} steps a rank (after {warmup_steps} warm-up); payload in MB",
@@ -188,6 +220,8 @@ def format_table(summaries: Sequence[RankSummary], found: Verdict, warmup_steps:
             f"{s.rank:>4} {s.data_ms:>8.2f} {s.compute_ms:>8.2f} {s.comm_ms:>8.2f} {s.optimizer_ms:>8.2f}"
             f" {s.step_ms:>8.2f} {_megabytes(s.payload_sent):>9} {_megabytes(s.payload_received):>9}"
         )
+    if transfer is not None and len(summaries) > 1:
+        lines.append(f"transfer: {transfer:.2f} ms a step (the shortest communication wait of any rank, median)")
     named = f"rank {found.straggler} is the straggler, {found.bound}" if found.straggler is not None else found.bound
     lines.append(f"verdict: {named}: {found.reason}.")
     return "\n".join(lines)

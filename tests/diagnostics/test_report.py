@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from ds_lightning.diagnostics import PayloadCounter, RankSummary, StepClock, StepTime, verdict
 from ds_lightning.diagnostics.payload_bytes import _collective, payload_nbytes
-from ds_lightning.diagnostics.report import format_table, phase_spans, render_steps_png, report_dict
+from ds_lightning.diagnostics.report import format_table, phase_spans, render_steps_png, report_dict, transfer_ms
 from ds_lightning.pipeline.trace import chrome_trace
 from ds_lightning.testing.processes import free_port
 
@@ -51,6 +51,16 @@ def test_equal_work_and_long_waits_on_every_rank_is_link_bound_naming_no_rank():
 def test_one_rank_waiting_far_longer_with_equal_work_is_named_link_bound():
     found = verdict([_summary(0, 1, 10, 30), _summary(1, 1, 10, 5), _summary(2, 1, 10, 5)])
     assert (found.straggler, found.bound) == (0, "link-bound")
+
+
+def test_ranks_waiting_for_each_other_in_turn_is_jitter_not_the_link():
+    # Each step one rank arrives late and the other waits 3 ms for it; the last to arrive waits only 0.1 ms.
+    waits = {0: [3.0, 0.1] * 5, 1: [0.1, 3.0] * 5}
+    steps = {r: [StepTime(i, 0, 0, 4 * MS, int(w * MS), 0) for i, w in enumerate(ws)] for r, ws in waits.items()}
+    assert transfer_ms(steps) == pytest.approx(0.1)
+    ranks = [RankSummary.of(r, s) for r, s in steps.items()]
+    assert verdict(ranks).bound == "link-bound"  # judged on each rank's median wait alone
+    assert verdict(ranks, transfer=transfer_ms(steps)).bound == "balanced"
 
 
 def test_one_rank_has_no_straggler():
