@@ -19,6 +19,33 @@ from benchmarks.harness.trainer import quiet_trainer
 from ds_lightning.callbacks import DistributedReport
 from ds_lightning.demos import DigitsClassifier, DigitsDataModule
 
+HOOKS = (
+    "on_train_epoch_start",
+    "on_validation_end",
+    "on_train_batch_start",
+    "on_before_backward",
+    "on_after_backward",
+    "on_before_optimizer_step",
+    "on_train_batch_end",
+)
+
+
+def time_hooks(callback: pl.Callback) -> list[float]:
+    """Wrap ``callback``'s per-step hooks to add the seconds spent in them to the returned one-item list."""
+    spent = [0.0]
+    for name in HOOKS:
+        hook = getattr(callback, name)
+
+        def timed(*args: Any, _hook: Any = hook) -> Any:
+            start = time.perf_counter()
+            try:
+                return _hook(*args)
+            finally:
+                spent[0] += time.perf_counter() - start
+
+        setattr(callback, name, timed)
+    return spent
+
 
 class EndClock(pl.Callback):
     """When ``on_train_end`` starts (first callback) and when ``fit`` returns: the report's end-of-fit cost."""
@@ -40,6 +67,7 @@ def main(spec_path: str) -> None:
     if spec["report"]:
         report = DistributedReport(every_n_steps=spec["every_n_steps"], output_dir=str(Path(spec["out_dir"], "report")))
         callbacks.append(report)
+        spent = time_hooks(report)
     trainer = quiet_trainer(
         accelerator="cpu",
         devices=2,
@@ -55,6 +83,9 @@ def main(spec_path: str) -> None:
     # Wall time per timed step, batch start to batch start: every hook of every callback, data loading included.
     record["wall_ms_per_step"] = 1000 * (spans[-1][0] - spans[0][0]) / (len(spans) - 1) if len(spans) > 1 else None
     record["end_of_fit_s"] = done - end.train_end
+    if report is not None:
+        steps = spec["warmup_steps"] + spec["steps"]
+        record["hook_ms_per_step"] = 1000 * spent[0] / steps  # the report's own hooks, every step
     if report is not None and report.verdict is not None:
         record["verdict"] = report.verdict.bound
         record["median_step_ms_reported"] = statistics.median(s.step_ms for s in report.summaries)
