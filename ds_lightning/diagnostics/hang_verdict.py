@@ -141,6 +141,7 @@ class Verdict:
     silent: list[int] = field(default_factory=list)  # no answer: process gone, or host unreachable
     dump_dir: str | None = None
     after_s: float | None = None  # from the stuck call to this verdict
+    names: dict[int, str] = field(default_factory=dict)  # ranks with a name of their own (a parameter server)
 
     @property
     def kind(self) -> str:
@@ -162,9 +163,10 @@ class Verdict:
             lines += [f"  rank {r} waits in {call.describe()}" for r, call in sorted(self.desync.items())]
             lines.append("  A rank skipped or added a collective (a branch on the rank, or on data only it sees).")
         if self.silent:
+            named = ", ".join(f"{self.names[r]} (rank {r})" if r in self.names else f"rank {r}" for r in self.silent)
             lines.append(
-                f"Ranks that did not answer: {self.silent} (the process is gone, or its host cannot be reached: a cut"
-                " link or a lost host)."
+                f"Did not answer: {named} (the process is gone, or its host cannot be reached: a cut link or a lost"
+                " host)."
             )
         if self.kind == "slow":
             lines.append("Every rank arrived: the transfer itself is too slow for the timeout (a slow or lossy link).")

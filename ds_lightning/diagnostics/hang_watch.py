@@ -144,6 +144,12 @@ class HangWatch:
 
     def answer(self) -> RankView:
         """Post this rank's view and Flight Recorder dump (once), and write the dump to the dump folder."""
+        view, dump = self._own_view()
+        self._post(self._store, view, dump)
+        return view
+
+    def _own_view(self) -> tuple[RankView, bytes]:
+        """This rank's view and its dump (pickled, ``pg_config`` fixed); the dump is written locally too."""
         full = snapshot(stacks=True)
         now = time.time_ns()
         last: dict[str, int] = {}
@@ -160,74 +166,109 @@ class HangWatch:
             write_dump(self.dump_folder(), self.rank, full, table)
         except OSError as error:
             log.warning("ds_lightning: could not write the Flight Recorder dump: %s", error)
-        self._store.set(f"view/{self.rank}", json.dumps(self.view.to_json()))
-        self._store.set(f"dump/{self.rank}", pickle.dumps(fix_pg_config(full, table)))
-        return self.view
+        return self.view, pickle.dumps(fix_pg_config(full, table))
+
+    def _post(self, store: Any, view: RankView, dump: bytes) -> None:
+        store.set(f"view/{self.rank}", json.dumps(view.to_json()))
+        store.set(f"dump/{self.rank}", dump)
+
+    def _client(self) -> Any:
+        host, port = self.store_address
+        client = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=STORE_TIMEOUT_S))
+        return dist.PrefixStore(self.prefix, client)
 
     def diagnose(self, exception: BaseException, ranks: Sequence[int]) -> Verdict | None:
         """After the backend's error: the verdict on the call this rank waited in.
 
         ``None`` when the error is not a collective's failure, or nothing was recorded. Writes every rank's dump it can
-        get, and ``verdict_rank<r>.json``, to the dump folder.
+        get, and ``verdict_rank<r>.json``, to the dump folder. Talking to the store happens in a thread of its own,
+        on a connection of its own, given at most :data:`VIEW_WAIT_S` plus two store timeouts: a store behind a cut
+        link can leave a call on an open connection waiting for ever (the watch thread's, too).
         """
         if self._store is None or not COLLECTIVE_FAILURE.search(str(exception)):
             return None
-        if self.alarm is None:  # it failed before the alarm (a peer's connection closed): the newest call is it
+        alarm_now = self.alarm is None
+        if alarm_now:  # it failed before the alarm (a peer's connection closed): the newest call is it
             entries = snapshot(stacks=True)["entries"]
             if not entries:
                 return None
-            newest = max(entries, key=lambda e: int(e["time_created_ns"]))
-            try:
-                self.raise_alarm(Call.from_entry(newest, time.time_ns()))
-            except Exception:  # the store is gone too: judge alone
-                self.alarm = Call.from_entry(newest, time.time_ns())
+            self.alarm = Call.from_entry(max(entries, key=lambda e: int(e["time_created_ns"])), time.time_ns())
         stuck = self.alarm
         assert stuck is not None
         group = pg_table().get(stuck.group)
         if group is not None:  # the stuck call's own group, in global ranks
             ranks = json.loads(group["ranks"]) or list(ranks)
-        views = self._collect(ranks)
-        verdict = judge(stuck, self.timeout_s, ranks, views)
+        posted = self.view is not None
+        view, dump = (self.view, b"") if self.view is not None else self._own_view()
+        views: dict[int, RankView | None] = {self.rank: view}
         folder = self.dump_folder()
+
+        def exchange() -> None:
+            store = self._client()
+            if alarm_now:
+                store.set(f"alarm/{self.rank}", json.dumps(stuck.__dict__))
+                store.add("alarms", 1)
+            if not posted:
+                self._post(store, view, dump)
+            self._collect(store, ranks, views)
+            self._fetch_dumps(store, folder, ranks)
+
+        thread = threading.Thread(target=self._quietly, args=(exchange,), name="ds-hang-verdict", daemon=True)
+        thread.start()
+        thread.join(VIEW_WAIT_S + 2 * STORE_TIMEOUT_S)
+        verdict = judge(stuck, self.timeout_s, ranks, dict(views))
         verdict.dump_dir = str(folder)
         verdict.after_s = (time.time_ns() - stuck.created_ns) / 1e9 if stuck.created_ns else None
-        self._write(folder, ranks, verdict)
+        self._write(folder, verdict)
         return verdict
 
-    def _collect(self, ranks: Sequence[int]) -> dict[int, RankView | None]:
-        views: dict[int, RankView | None] = {}
-        if self.view is None:
-            try:
-                self.answer()
-            except Exception as error:
-                log.debug("ds_lightning hang watch: own answer: %s", error)
-        if self.view is not None:
-            views[self.rank] = self.view
-        deadline = time.monotonic() + VIEW_WAIT_S
-        while time.monotonic() < deadline and len(views) < len(ranks):
-            for rank in ranks:
-                if rank in views:
-                    continue
-                try:
-                    if self._store.check([f"view/{rank}"]):
-                        views[rank] = RankView.from_json(json.loads(self._store.get(f"view/{rank}")))
-                except Exception:  # store unreachable from here: what we have is all there is
-                    deadline = 0.0
-                    break
-            time.sleep(0.2)
-        return {rank: views.get(rank) for rank in ranks}
+    @staticmethod
+    def _quietly(work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception as error:  # the store is gone: the verdict uses what arrived
+            log.debug("ds_lightning hang verdict: %s", error)
 
-    def _write(self, folder: Path, ranks: Sequence[int], verdict: Verdict) -> None:
+    def lost_peer(self, peer: int, name: str) -> Verdict | None:
+        """The verdict when a peer outside the watched group stopped answering (a parameter server, to a worker).
+
+        The stuck call is this rank's newest (its send to or receive from the peer); the peer cannot answer, so there
+        is nothing to collect. Writes this rank's dump and the verdict.
+        """
+        full = snapshot(stacks=True)
+        if not full["entries"]:
+            return None
+        newest = max(full["entries"], key=lambda e: int(e["time_created_ns"]))
+        stuck = Call.from_entry(newest, time.time_ns())
+        verdict = Verdict(stuck, self.timeout_s, arrived=[self.rank], silent=[peer], names={peer: name})
+        folder = self.dump_folder()
+        verdict.dump_dir = str(folder)
+        verdict.after_s = (time.time_ns() - stuck.created_ns) / 1e9
+        try:
+            write_dump(folder, self.rank, full)
+        except OSError as error:
+            log.warning("ds_lightning: could not write the Flight Recorder dump: %s", error)
+        self._write(folder, verdict)
+        return verdict
+
+    def _collect(self, store: Any, ranks: Sequence[int], views: dict[int, RankView | None]) -> None:
+        """Fill ``views`` with the other ranks' views as they arrive, for at most :data:`VIEW_WAIT_S`."""
+        deadline = time.monotonic() + VIEW_WAIT_S
+        while time.monotonic() < deadline and any(rank not in views for rank in ranks):
+            for rank in ranks:
+                if rank not in views and store.check([f"view/{rank}"]):
+                    views[rank] = RankView.from_json(json.loads(store.get(f"view/{rank}")))
+            time.sleep(0.2)
+
+    def _fetch_dumps(self, store: Any, folder: Path, ranks: Sequence[int]) -> None:
+        """Write the other ranks' posted dumps beside this rank's: one folder for ``ds-train diagnose``."""
+        for rank in ranks:
+            if rank != self.rank and store.check([f"dump/{rank}"]):
+                write_dump(folder, rank, pickle.loads(store.get(f"dump/{rank}")))
+
+    def _write(self, folder: Path, verdict: Verdict) -> None:
         try:
             folder.mkdir(parents=True, exist_ok=True)
-            for rank in ranks:
-                if rank == self.rank:
-                    continue
-                try:
-                    if self._store.check([f"dump/{rank}"]):
-                        write_dump(folder, rank, pickle.loads(self._store.get(f"dump/{rank}")))
-                except Exception:
-                    continue
             (folder / f"verdict_rank{self.rank}.json").write_text(json.dumps(verdict.to_json(), indent=2))
         except OSError as error:
             log.warning("ds_lightning: could not write the hang verdict: %s", error)

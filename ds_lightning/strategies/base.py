@@ -32,6 +32,7 @@ from ds_lightning.checkpoint.options import StateDictType, check_state_dict_type
 from ds_lightning.checkpoint.strategy_hooks import ShardedCheckpoints
 from ds_lightning.data.eval_shards import exact_mean_input, uneven_batch_counts, unpadded_eval_loader
 from ds_lightning.data.resumable import DataCursor, position_loader
+from ds_lightning.diagnostics.hang_verdict import Verdict
 from ds_lightning.diagnostics.hang_watch import HangWatch, watch_strategy
 from ds_lightning.environments._interfaces import pin_interfaces_toward_main, pin_socket_interfaces
 from ds_lightning.environments.kubeflow import adopt_pytorchjob
@@ -380,9 +381,13 @@ class ClusterStrategy(ShardedCheckpoints, DDPStrategy):
         super().on_exception(exception)
         if self._hang_watch is not None:
             # The verdict goes into the backend's error (every rank that raises prints it) and the dump folder.
-            verdict = self._hang_watch.diagnose(exception, list(range(self.world_size)))
+            verdict = self._diagnose(self._hang_watch, exception)
             if verdict is not None:
                 exception.add_note(verdict.message())
+
+    def _diagnose(self, watch: HangWatch, exception: BaseException) -> Verdict | None:
+        """The verdict on a failed collective of the process group (a subclass adds failures of its own)."""
+        return watch.diagnose(exception, list(range(self.world_size)))
 
     @override
     def teardown(self) -> None:

@@ -26,7 +26,7 @@ def test_a_rank_behind_did_not_arrive_and_a_silent_one_is_named_apart() -> None:
     assert verdict.kind == "missing"
     assert verdict.missing == {1: "training_step (m.py:3)"} and verdict.silent == [2] and verdict.arrived == [0]
     assert "rank 1 is in training_step (m.py:3)" in verdict.message()
-    assert "did not answer: [2]" in verdict.message()
+    assert "Did not answer: rank 2 (the process is gone" in verdict.message()
 
 
 def test_another_op_or_other_sizes_at_the_same_sequence_number_is_a_desync() -> None:
