@@ -109,7 +109,7 @@ def test_a_link_cut_for_good_fails_every_rank_in_time_and_the_checkpoint_resumes
     for rank, task in enumerate(tasks):
         verdict = json.loads((tmp_path / "flight_recorder" / f"verdict_rank{rank}.json").read_text())
         assert (verdict["kind"], verdict["silent"]) == ("silent", [1 - rank]), verdict
-        # The cut stops whichever collective is on the wire: DDP's gradient all-reduce, or Lightning's per-step broadcast.
+        # The cut stops whichever collective is on the wire: DDP's gradient all-reduce or Lightning's step broadcast.
         assert verdict["stuck"]["op"] in ("all_reduce", "broadcast"), verdict
         assert verdict["after_s"] <= timeout + 10, verdict
         assert f"Did not answer: rank {1 - rank} (the process is gone, or its host cannot be reached" in task.output
