@@ -188,8 +188,17 @@ class DSLightningCLI(LightningCLI):
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``ds-train``: ``ds-train fit --config examples/configs/mirrored.yaml``.
 
-    The seed's spelling works too: ``ds-train train --strategy=mirrored`` (:func:`seed_spelling`).
+    The seed's spelling works too: ``ds-train train --strategy=mirrored`` (:func:`seed_spelling`), and
+    ``ds-train diagnose DIR`` reads a stuck run's Flight Recorder dumps again (:mod:`ds_lightning.diagnostics.analyze`).
     """
+    given = sys.argv[1:] if args is None else args
+    if given[:1] == ["diagnose"]:
+        if len(given) != 2:
+            print("ds-train: error: usage: ds-train diagnose DIR (a run's flight_recorder folder)", file=sys.stderr)
+            raise SystemExit(2)
+        from ds_lightning.diagnostics.analyze import main as diagnose
+
+        raise SystemExit(diagnose(given[1]))
     try:
         spelled = seed_spelling(sys.argv[1:] if args is None else args)
     except ValueError as err:  # from the spelling alone: nothing else runs in this try

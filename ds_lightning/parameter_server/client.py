@@ -23,7 +23,13 @@ from ds_lightning.parameter_server.tensor_messages import (
 
 
 class ServerLostError(RuntimeError):
-    """A parameter server stopped answering: it died, or it hung past the timeout."""
+    """A parameter server stopped answering: it died, or it hung past the timeout.
+
+    ``server`` is its index, ``rank`` its rank in the channel of workers and servers.
+    """
+
+    server: int | None = None
+    rank: int | None = None
 
 
 @dataclass
@@ -87,11 +93,13 @@ class ServerClient:
     def _lost(self, server: int, doing: str, error: BaseException) -> ServerLostError:
         text = str(error).split(". This is typically")[0]
         first = text.splitlines()[0][:300] if text else type(error).__name__
-        return ServerLostError(
+        lost = ServerLostError(
             f"Lost parameter server {server} (ps task {server} at {self.addresses[server]}, process-group rank"
             f" {self._rank(server)}) while worker {self.worker} was {doing}: {first}. The server process died or"
             " hung past the strategy's timeout; resume from the last checkpoint with ckpt_path=..."
         )
+        lost.server, lost.rank = server, self._rank(server)
+        return lost
 
     def _send(self, server: int, header: dict[str, Any], tensors: list[Tensor], doing: str, wait: bool = True) -> int:
         try:

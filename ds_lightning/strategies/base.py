@@ -32,12 +32,14 @@ from ds_lightning.checkpoint.options import StateDictType, check_state_dict_type
 from ds_lightning.checkpoint.strategy_hooks import ShardedCheckpoints
 from ds_lightning.data.eval_shards import exact_mean_input, uneven_batch_counts, unpadded_eval_loader
 from ds_lightning.data.resumable import DataCursor, position_loader
+from ds_lightning.diagnostics.hang_verdict import HangVerdict
+from ds_lightning.diagnostics.hang_watch import HangWatch, watch_strategy
 from ds_lightning.environments._interfaces import pin_interfaces_toward_main, pin_socket_interfaces
 from ds_lightning.environments.kubeflow import adopt_pytorchjob
 from ds_lightning.environments.rendezvous import rendezvous_store
 from ds_lightning.environments.tf_config import TFConfig
 from ds_lightning.environments.tf_config_adoption import adopt_tf_config, tf_config_in_use
-from ds_lightning.environments.torchelastic import AGENT_STORE_ENV, elastic_num_nodes
+from ds_lightning.environments.torchelastic import AGENT_STORE_ENV, elastic_num_nodes, store_round
 from ds_lightning.strategies.capabilities import LIGHTNING_DEFAULTS, StrategyCapabilities
 
 __all__ = ["BACKENDS", "ClusterStrategy", "StartMethod"]
@@ -204,6 +206,7 @@ class ClusterStrategy(ShardedCheckpoints, DDPStrategy):
             **kwargs,
         )
         self._tf_config: TFConfig | None = None
+        self._hang_watch: HangWatch | None = None
         #: Set by :class:`~ds_lightning.callbacks.BackupAndRestore`: where a restored run's training data goes on.
         self.data_cursor: DataCursor | None = None
         self._in_eval_step = False
@@ -366,6 +369,32 @@ class ClusterStrategy(ShardedCheckpoints, DDPStrategy):
     @override
     def setup_distributed(self) -> None:
         setup_distributed(self, spans_hosts=self.spans_hosts)
+        self._watch_collectives()
+
+    def _watch_collectives(self) -> None:
+        """Watch this rank's collectives for one that waits too long (see :mod:`ds_lightning.diagnostics`)."""
+        if self._hang_watch is None:
+            self._hang_watch = watch_strategy(self, prefix=f"ds_lightning/hang/{store_round()}/")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        super().on_exception(exception)
+        if self._hang_watch is not None:
+            # The verdict goes into the backend's error (every rank that raises prints it) and the dump folder.
+            verdict = self._diagnose(self._hang_watch, exception)
+            if verdict is not None:
+                exception.add_note(verdict.message())
+
+    def _diagnose(self, watch: HangWatch, exception: BaseException) -> HangVerdict | None:
+        """The verdict on a failed collective of the process group (a subclass adds failures of its own)."""
+        return watch.diagnose(exception, list(range(self.world_size)))
+
+    @override
+    def teardown(self) -> None:
+        if self._hang_watch is not None:
+            self._hang_watch.stop()
+            self._hang_watch = None
+        super().teardown()
 
     @override
     def setup_environment(self) -> None:

@@ -2,8 +2,9 @@
 
 - ds_mirrored rides out a link cut shorter than its ``timeout`` (TCP retransmits; gloo waits up to ``timeout``); this
   is also the two-host ds_mirrored run, with test_multihost.py's checks (accuracy, listeners).
-- A link cut for good fails every rank with ds_mirrored's collective error within the timeout, leaves no process
-  behind, and the last checkpoint resumes once the link is back.
+- A link cut for good fails every rank with ds_mirrored's collective error within the timeout, and a hang verdict
+  that names the rank on the other side as unreachable; it leaves no process behind, and the last checkpoint resumes
+  once the link is back.
 - Under ds_parameter_server a worker whose link is cut for a few seconds does not hold the chief back, and the run
   ends with both workers finished; a worker host whose processes all die does not stop the other worker.
 """
@@ -103,6 +104,16 @@ def test_a_link_cut_for_good_fails_every_rank_in_time_and_the_checkpoint_resumes
         ]
     assert waited < timeout + _KILL_MARGIN_S  # the collective timeout ended it, not the test's kill
     assert [cluster.pids(host) for host in cluster.hosts] == [[], []]  # no process left behind on any host
+    # The hang verdict on each side of the cut: the other rank did not answer (its host can't be reached), within
+    # timeout + 10 s; each rank dumped its Flight Recorder.
+    for rank, task in enumerate(tasks):
+        verdict = json.loads((tmp_path / "flight_recorder" / f"verdict_rank{rank}.json").read_text())
+        assert (verdict["kind"], verdict["silent"]) == ("silent", [1 - rank]), verdict
+        # The cut stops whichever collective is on the wire: DDP's gradient all-reduce or Lightning's step broadcast.
+        assert verdict["stuck"]["op"] in ("all_reduce", "broadcast"), verdict
+        assert verdict["after_s"] <= timeout + 10, verdict
+        assert f"Did not answer: rank {1 - rank} (the process is gone, or its host cannot be reached" in task.output
+        assert (tmp_path / "flight_recorder" / f"fr_rank_{rank}").exists()
     last = ckpt / "last.ckpt"
     assert last.exists(), sorted(p.name for p in ckpt.iterdir())
     saved = torch.load(last, weights_only=False)["global_step"]  # read now: the resumed run rewrites last.ckpt

@@ -359,6 +359,12 @@ def test_a_killed_server_stops_every_worker_and_the_checkpoint_resumes(tmp_path:
         )
     assert run["seconds"] < timeout + START_AND_STOP_MARGIN_S  # stopped by the timeout, not hung
     _assert_no_process_left(tmp_path)
+    # The hang verdict: every worker names the server that stopped answering, and dumps its Flight Recorder.
+    assert run["output"].count("Did not answer: parameter server 0 (rank 2)") == 2, run["output"][-6000:]
+    for rank in (0, 1):
+        verdict = json.loads((tmp_path / "flight_recorder" / f"verdict_rank{rank}.json").read_text())
+        assert (verdict["kind"], verdict["silent"], verdict["arrived"]) == ("silent", [2], [rank])
+        assert (tmp_path / "flight_recorder" / f"fr_rank_{rank}").exists()
     last = ckpt / "epoch=0-step=8.ckpt"
     assert sorted(p.name for p in ckpt.iterdir()) == [last.name]
     resumed = _run(tmp_path, "resumed", {**spec, "ckpt_dir": None, "ckpt_path": str(last)})
