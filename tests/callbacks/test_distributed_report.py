@@ -113,7 +113,7 @@ def test_a_rank_sleeping_in_training_step_is_named_compute_bound(tmp_path):
             "--model=tests.helpers.models.SlowRankDigits",
             "--model.hidden_sizes=[32]",
             "--model.slow_rank=1",
-            "--model.delay_ms=0.5",  # 16 ms a step on rank 1 (32 samples)
+            "--model.delay_ms=1.0",  # 32 ms a step on rank 1 (32 samples): clear of a shared machine's jitter
             "--trainer.logger=lightning.pytorch.loggers.CSVLogger",
             f"--trainer.logger.save_dir={tmp_path / 'logs'}",
             "--trainer.log_every_n_steps=1",
