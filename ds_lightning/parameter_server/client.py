@@ -31,6 +31,11 @@ class ServerLostError(RuntimeError):
     server: int | None = None
     rank: int | None = None
 
+    @property
+    def lost_peer(self) -> tuple[int, str] | None:
+        """The rank that stopped answering and its name, for the hang verdict (``None`` when unknown)."""
+        return None if self.rank is None else (self.rank, f"parameter server {self.server}")
+
 
 @dataclass
 class PullResult:

@@ -386,7 +386,14 @@ class ClusterStrategy(ShardedCheckpoints, DDPStrategy):
                 exception.add_note(verdict.message())
 
     def _diagnose(self, watch: HangWatch, exception: BaseException) -> HangVerdict | None:
-        """The verdict on a failed collective of the process group (a subclass adds failures of its own)."""
+        """The verdict on a failed collective, or on a peer outside the group that stopped answering.
+
+        An error naming a ``lost_peer`` (rank, name), such as a parameter server lost to a worker, is judged as that
+        peer's silence: it cannot answer, and the group's other ranks are not part of the call.
+        """
+        peer = getattr(exception, "lost_peer", None)
+        if peer is not None:
+            return watch.lost_peer(*peer)
         return watch.diagnose(exception, list(range(self.world_size)))
 
     @override

@@ -26,8 +26,6 @@ from typing_extensions import override
 
 from ds_lightning.checkpoint.options import StateDictType
 from ds_lightning.data.eval_shards import exact_mean_input
-from ds_lightning.diagnostics.hang_verdict import HangVerdict
-from ds_lightning.diagnostics.hang_watch import HangWatch
 from ds_lightning.environments.parameter_server_roles import (
     SchedulerPart,
     scheduler_part,
@@ -37,7 +35,7 @@ from ds_lightning.environments.parameter_server_roles import (
 from ds_lightning.parameter_server.channel import connect_server_group, connect_servers
 from ds_lightning.parameter_server.checkpoint import ConsolidatedRun, ResumePoint, starting_shards
 from ds_lightning.parameter_server.chief_checkpoints import ChiefCheckpoints
-from ds_lightning.parameter_server.client import ServerClient, ServerLostError
+from ds_lightning.parameter_server.client import ServerClient
 from ds_lightning.parameter_server.collectives import LiveWorkerCollectives
 from ds_lightning.parameter_server.launch import SERVER_ENV, ServerLauncher, WorkerLauncher
 from ds_lightning.parameter_server.optimizer_shard import check_server_optimizer, check_trainable_model
@@ -429,12 +427,6 @@ class ParameterServerStrategy(ChiefCheckpoints, LiveWorkerCollectives, ClusterSt
         super().on_validation_end()
         if self._step is not None:
             self._step.unpeek()
-
-    @override
-    def _diagnose(self, watch: HangWatch, exception: BaseException) -> HangVerdict | None:
-        if isinstance(exception, ServerLostError) and exception.rank is not None:
-            return watch.lost_peer(exception.rank, f"parameter server {exception.server}")
-        return super()._diagnose(watch, exception)
 
     @override
     def teardown(self) -> None:
