@@ -53,6 +53,8 @@ IMPORTED: list[tuple[str, str, tuple[int, int]]] = [
     ),
     # Overridden by DSLightningCLI; Lightning 2.4 has no such step (it reads no hparams from --ckpt_path).
     ("lightning.pytorch.cli", "LightningCLI._parse_ckpt_path", (2, 5)),
+    # The step clock times the broadcast before each batch as communication; Lightning 2.4 and 2.5 do not broadcast.
+    ("lightning.pytorch.loops.training_epoch_loop", "_TrainingEpochLoop._broadcast_sigterm_tensor", (2, 6)),
 ]
 
 # Instance attributes read or set on Lightning objects (they exist only once the object is built).

@@ -23,7 +23,9 @@ class ClockedCallback(Callback):
 
     def watch_gradients(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Note when each gradient is ready, on the model the strategy trains (``trainer.model``)."""
-        step_clock(trainer).watch(trainer.model if trainer.model is not None else pl_module)
+        clock = step_clock(trainer)
+        clock.watch(trainer.model if trainer.model is not None else pl_module)
+        clock.watch_loop(trainer.fit_loop.epoch_loop)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -51,4 +53,6 @@ class ClockedCallback(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        step_clock(trainer).unwatch()
+        clock = step_clock(trainer)
+        clock.unwatch()
+        clock.unwatch_loop()

@@ -14,13 +14,18 @@ The phases of one batch, in the order they happen (times from :func:`time.perf_c
 * **comm**: for each backward pass, from the moment the last parameter gradient was ready (a
   ``register_post_accumulate_grad_hook`` on every parameter) to ``on_after_backward``. Under DDP the last gradient
   launches the last bucket's all-reduce, and DDP waits for every bucket before the backward pass returns, so this is
-  the time this rank waited for the others. Without a gradient synchronisation it is near zero.
+  the time this rank waited for the others. Without a gradient synchronisation it is near zero. Also
+  communication: Lightning's (2.6 and later) broadcast before each batch, whether a rank got SIGTERM. It is the first
+  collective after the all-reduce, so a rank that left the all-reduce early (a ring all-reduce does not end on every
+  rank at once) waits there for the others: over a slow link that is tens of milliseconds, which the data phase would
+  otherwise carry. :meth:`StepClock.watch_loop` times it.
 * **optimizer**: from ``on_before_optimizer_step`` to ``on_train_batch_end``: the optimizer step and anything a
   strategy does there (a ZeRO parameter broadcast, a parameter server push).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +94,9 @@ class StepClock:
         self._comm = 0
         self._optimizer_start: int | None = None
         self._count = 0
+        self._sync_before = 0  # collective waits in the data phase, counted as communication
+        self._sync = 0
+        self._loop: Any = None
 
     # --- set-up ---------------------------------------------------------------------------------------------------
 
@@ -108,6 +116,40 @@ class StepClock:
             handle.remove()
         self._handles, self._watched = [], None
 
+    def watch_loop(self, epoch_loop: Any) -> None:
+        """Time Lightning's broadcast before each batch (``_broadcast_sigterm_tensor``) as communication.
+
+        Lightning calls ``torch.distributed.broadcast`` itself there, with no hook around it, so the bound method is
+        wrapped on this loop object (a private name, listed in docs/lightning-private-api.md; Lightning before 2.6 has
+        no such broadcast, and nothing is wrapped).
+        """
+        original = getattr(epoch_loop, "_broadcast_sigterm_tensor", None)
+        if original is None or self._loop is epoch_loop:
+            return
+        self.unwatch_loop()
+
+        @functools.wraps(original)
+        def timed() -> None:
+            begin = time.perf_counter_ns()
+            try:
+                original()
+            finally:
+                self.sync_wait(time.perf_counter_ns() - begin)
+
+        epoch_loop._broadcast_sigterm_tensor = timed
+        self._loop = epoch_loop
+
+    def unwatch_loop(self) -> None:
+        """Put Lightning's own broadcast back."""
+        if self._loop is not None:
+            vars(self._loop).pop("_broadcast_sigterm_tensor", None)
+            self._loop = None
+
+    def sync_wait(self, nanoseconds: int) -> None:
+        """A collective before the batch took ``nanoseconds``: communication, not data loading."""
+        if not self._open:
+            self._sync_before += nanoseconds
+
     def reset(self) -> None:
         """Forget the recorded steps (a new fit starts)."""
         self.steps, self._count, self._last_end, self._open, self._in_backward = [], 0, None, False, False
@@ -120,7 +162,7 @@ class StepClock:
     def pause(self) -> None:
         """A data phase starts now: the epoch starts, or validation ended (``on_train_epoch_start``...)."""
         if not self._open:
-            self._last_end = time.perf_counter_ns()
+            self._last_end, self._sync_before = time.perf_counter_ns(), 0
 
     def batch_start(self) -> None:
         """``on_train_batch_start``."""
@@ -128,6 +170,7 @@ class StepClock:
             return
         self._open, self._start = True, time.perf_counter_ns()
         self._comm, self._optimizer_start, self._in_backward = 0, None, False
+        self._sync, self._sync_before = self._sync_before, 0
 
     def backward_start(self) -> None:
         """``on_before_backward``."""
@@ -154,7 +197,7 @@ class StepClock:
             return None
         end = time.perf_counter_ns()
         self._open, self._in_backward = False, False
-        data = self._start - self._last_end if self._last_end is not None else 0
+        data = self._start - self._last_end - self._sync if self._last_end is not None else 0
         work_end = self._optimizer_start if self._optimizer_start is not None else end
         compute = max(0, work_end - self._start - self._comm)
         record = StepTime(
@@ -162,7 +205,7 @@ class StepClock:
             start_ns=self._start + self._wall_offset,
             data_ns=max(0, data),
             compute_ns=compute,
-            comm_ns=self._comm,
+            comm_ns=self._comm + self._sync,
             optimizer_ns=end - work_end,
         )
         self.steps.append(record)

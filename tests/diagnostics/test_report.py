@@ -106,6 +106,31 @@ def test_the_clock_splits_compute_from_the_wait_after_the_last_gradient():
     assert unhooked is not None and unhooked.comm_ns == 0  # no gradient time: all compute
 
 
+class _Loop:
+    """Stands in for Lightning's training epoch loop: the broadcast before each batch, here a 30 ms wait."""
+
+    def _broadcast_sigterm_tensor(self) -> None:
+        time.sleep(0.03)
+
+
+def test_the_broadcast_before_a_batch_is_communication_not_data():
+    loop, clock = _Loop(), StepClock()
+    clock.watch_loop(loop)
+    clock.pause()
+    loop._broadcast_sigterm_tensor()  # as Lightning calls it, before fetching the batch
+    time.sleep(0.01)  # data
+    clock.batch_start()
+    step = clock.batch_end()
+    assert step is not None
+    assert 0.009 < step.data_ns / 1e9 < 0.025 and 0.029 < step.comm_ns / 1e9 < 0.05
+    clock.unwatch_loop()
+    assert "_broadcast_sigterm_tensor" not in vars(loop)  # Lightning's own method again
+    loop._broadcast_sigterm_tensor()
+    clock.batch_start()
+    unwatched = clock.batch_end()
+    assert unwatched is not None and unwatched.comm_ns == 0 and unwatched.data_ns > 0.029e9  # the control
+
+
 def test_payload_sizes_follow_dtype_and_direction():
     assert payload_nbytes([[4, 3], [2]], ["Float", "BFloat16"]) == 4 * 3 * 4 + 2 * 2
     base = {"record_id": 1, "time_created_ns": 5, "process_group": ("0", "default_pg")}
