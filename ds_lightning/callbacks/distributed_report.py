@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
+import os
+import statistics
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -15,6 +19,8 @@ from typing_extensions import override
 
 from ds_lightning import _validation as check
 from ds_lightning.callbacks._step_clock import ClockedCallback
+from ds_lightning.diagnostics.link_counters import LinkCounter
+from ds_lightning.diagnostics.link_verdict import LinkFinding, LinkUse, RankLinks, find_slow_link
 from ds_lightning.diagnostics.payload_bytes import PayloadCounter
 from ds_lightning.diagnostics.report import (
     RankSummary,
@@ -33,6 +39,35 @@ from ds_lightning.strategies.capabilities import capabilities_of
 __all__ = ["DistributedReport"]
 
 _FIELDS = 6  # step, start_ns and the four phases
+_ADDRESS = 16  # an address as the 16 bytes of IPv6 (IPv4 mapped), for the tensor gathers
+_LINK_TOTALS = 3  # bytes sent, bytes received, busy microseconds
+
+
+def _address_bytes(address: str | None) -> list[int]:
+    if address is None:
+        return [0] * _ADDRESS
+    parsed = ipaddress.ip_address(address)
+    if isinstance(parsed, ipaddress.IPv4Address):
+        parsed = ipaddress.IPv6Address(f"::ffff:{parsed}")
+    return list(parsed.packed)
+
+
+def _address_of(values: list[int]) -> str | None:
+    if not any(values):
+        return None
+    parsed = ipaddress.IPv6Address(bytes(values))
+    return str(parsed.ipv4_mapped) if parsed.ipv4_mapped is not None else str(parsed)
+
+
+def _main_ports(trainer: pl.Trainer) -> set[int]:
+    """The rendezvous store's port: its connections are not links between ranks."""
+    ports = set()
+    environment = getattr(trainer.strategy, "cluster_environment", None)
+    with contextlib.suppress(Exception):
+        ports.add(int(environment.main_port))  # type: ignore[union-attr]
+    with contextlib.suppress(KeyError, ValueError):
+        ports.add(int(os.environ["MASTER_PORT"]))
+    return ports
 
 
 class DistributedReport(ClockedCallback):
@@ -95,7 +130,9 @@ class DistributedReport(ClockedCallback):
         self.summaries: list[RankSummary] = []
         self.verdict: Verdict | None = None
         self.table = ""
+        self.links: LinkFinding | None = None
         self._payload = PayloadCounter()
+        self._links = LinkCounter()
         self._together = True
         self._since_poll = 0
         self._window: list[StepTime] = []
@@ -107,12 +144,15 @@ class DistributedReport(ClockedCallback):
         if stage == "fit":
             self._together = capabilities_of(trainer.strategy).agrees_over_default_group
             self.summaries, self.verdict, self.table, self._window = [], None, "", []
+            self.links = None
             step_clock(trainer).reset()
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self.watch_gradients(trainer, pl_module)
         self._payload.start()
+        self._links = LinkCounter(_main_ports(trainer))
+        self._links.start()
         self._since_poll = 0
 
     @override
@@ -124,7 +164,9 @@ class DistributedReport(ClockedCallback):
             self._payload.poll(self._since_poll)
             self._since_poll = 0
         last = clock.last
-        if last is None or last.step < self.warmup_steps:
+        measured = last is not None and last.step >= self.warmup_steps
+        self._links.sample(last.step if measured and last is not None else None)
+        if last is None or not measured:
             return
         self._window.append(last)
         if self.every_n_steps and len(self._window) >= self.every_n_steps:
@@ -161,11 +203,15 @@ class DistributedReport(ClockedCallback):
             payload.lost,
             int(payload.available),
         ]
+        self._links.sample(None)
         rank = trainer.global_rank
+        mine = self._rank_links(rank)
         if self._together and trainer.world_size > 1:
             by_rank, figures = self._gather_steps(steps, counts, trainer)
+            links = self._gather_links(mine, by_rank, trainer)
         else:
-            by_rank, figures = {rank: steps}, {rank: counts}
+            by_rank, figures, links = {rank: steps}, {rank: counts}, {rank: mine}
+        self._links.stop()
         self.summaries = [
             RankSummary.of(
                 r,
@@ -174,12 +220,16 @@ class DistributedReport(ClockedCallback):
                 payload_received=figures[r][1] if figures[r][4] else None,
                 collectives=figures[r][2],
                 lost_records=figures[r][3],
+                wire_sent=sum(u.bytes_sent for u in links[r].links.values()) if links[r].host else None,
+                wire_received=sum(u.bytes_received for u in links[r].links.values()) if links[r].host else None,
             )
             for r in sorted(by_rank)
         ]
         transfer = transfer_ms(by_rank)
         self.verdict = verdict(self.summaries, self.tolerance, transfer)
-        self.table = format_table(self.summaries, self.verdict, self.warmup_steps, transfer)
+        step_ms = statistics.median(s.step_ms for s in self.summaries) if self.summaries else 0.0
+        self.links = find_slow_link([links[r] for r in sorted(links)], step_ms)
+        self.table = format_table(self.summaries, self.verdict, self.warmup_steps, transfer, self.links)
         alone = not (self._together and trainer.world_size > 1)
         if rank != 0 and not alone:
             return
@@ -191,7 +241,7 @@ class DistributedReport(ClockedCallback):
         if alone and trainer.world_size > 1:
             meta["note"] = f"{strategy}'s ranks do not step together: this is rank {rank}'s own report"
         folder.mkdir(parents=True, exist_ok=True)
-        document = report_dict(self.summaries, self.verdict, by_rank, meta)
+        document = report_dict(self.summaries, self.verdict, by_rank, meta, self.links)
         (folder / f"{name}.json").write_text(json.dumps(document, indent=1))
         if any(by_rank.values()):
             render_steps_png(by_rank, folder / f"{name}.png", f"DistributedReport ({strategy}): per-rank time per step")
@@ -232,3 +282,43 @@ class DistributedReport(ClockedCallback):
         }
         figures = {r: [int(v) for v in lengths[r, 1:].tolist()] for r in range(trainer.world_size)}
         return by_rank, figures
+
+    def _rank_links(self, rank: int) -> RankLinks:
+        counter = self._links
+        if not counter.available:
+            return RankLinks(rank, None, {})
+        uses = {
+            remote: LinkUse(link.bytes_sent, link.bytes_received, link.busy_us, dict(link.step_busy_us))
+            for remote, link in counter.links.items()
+        }
+        return RankLinks(rank, counter.host_address(), uses)
+
+    def _gather_links(
+        self, mine: RankLinks, by_rank: dict[int, list[StepTime]], trainer: pl.Trainer
+    ) -> dict[int, RankLinks]:
+        """Every rank's :class:`RankLinks`, in two gathers.
+
+        First a header (remote count, host address), then one row per remote address: its address, the totals, and
+        the busy time at each of the rank's measured steps, in their order.
+        """
+        header = torch.tensor([len(mine.links), *_address_bytes(mine.host)], dtype=torch.int64)
+        headers = self._gather(header, trainer).reshape(trainer.world_size, -1)
+        widest = max(int(headers[:, 0].max()), 1)
+        longest = max((len(steps) for steps in by_rank.values()), default=0)
+        rows = torch.zeros(widest, _ADDRESS + _LINK_TOTALS + longest, dtype=torch.int64)
+        order = [s.step for s in by_rank[trainer.global_rank]]
+        for i, (remote, use) in enumerate(sorted(mine.links.items())):
+            per_step = [use.step_busy_us.get(step, 0) for step in order]
+            values = [*_address_bytes(remote), use.bytes_sent, use.bytes_received, use.busy_us, *per_step]
+            rows[i, : len(values)] = torch.tensor(values, dtype=torch.int64)
+        table = self._gather(rows, trainer).reshape(trainer.world_size, widest, -1)
+        found = {}
+        for r in range(trainer.world_size):
+            steps = [s.step for s in by_rank[r]]
+            uses = {}
+            for row in table[r, : int(headers[r, 0])].tolist():
+                sent, received, busy = row[_ADDRESS : _ADDRESS + _LINK_TOTALS]
+                step_busy = dict(zip(steps, row[_ADDRESS + _LINK_TOTALS :], strict=False))
+                uses[str(_address_of(row[:_ADDRESS]))] = LinkUse(sent, received, busy, step_busy)
+            found[r] = RankLinks(r, _address_of(headers[r, 1:].tolist()), uses)
+        return found

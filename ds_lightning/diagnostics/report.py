@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ds_lightning.diagnostics.link_verdict import LinkFinding
 from ds_lightning.diagnostics.step_times import PHASES, StepTime
 from ds_lightning.pipeline.trace import Span
 
@@ -63,6 +64,9 @@ class RankSummary:
         payload_received: payload bytes written back by collectives.
         collectives: collective and point-to-point operations counted.
         lost_records: Flight Recorder entries overwritten before they were counted.
+        wire_sent: bytes this rank's TCP connections to the other ranks sent, the kernel's count (``None``: none
+            found, :mod:`~ds_lightning.diagnostics.link_counters`).
+        wire_received: bytes they received.
 
     """
 
@@ -78,6 +82,8 @@ class RankSummary:
     payload_received: int | None = None
     collectives: int = 0
     lost_records: int = 0
+    wire_sent: int | None = None
+    wire_received: int | None = None
 
     @classmethod
     def of(cls, rank: int, steps: Sequence[StepTime], **payload: Any) -> RankSummary:
@@ -207,23 +213,42 @@ def _megabytes(value: int | None) -> str:
 
 
 def format_table(
-    summaries: Sequence[RankSummary], found: Verdict, warmup_steps: int, transfer: float | None = None
+    summaries: Sequence[RankSummary],
+    found: Verdict,
+    warmup_steps: int,
+    transfer: float | None = None,
+    links: LinkFinding | None = None,
 ) -> str:
-    """A short text table, one row per rank, followed by the transfer time (:func:`transfer_ms`) and the verdict."""
+    """A short text table: one row per rank, the transfer time, the verdict, and the links between hosts.
+
+    The transfer time is :func:`transfer_ms`; each host's link (:func:`~ds_lightning.diagnostics.link_verdict.
+    find_slow_link`) is listed when the ranks are on several hosts.
+    """
     steps = max((s.steps for s in summaries), default=0)
     lines = [
-        f"DistributedReport: median ms a step over {steps} steps a rank (after {warmup_steps} warm-up); payload in MB",
-        f"{'rank':>4} {'data':>8} {'compute':>8} {'comm':>8} {'optim':>8} {'step':>8} {'sent':>9} {'received':>9}",
+        f"DistributedReport: median ms a step over {steps} steps a rank (after {warmup_steps} warm-up);"
+        " payload (what collectives were handed) and wire (the kernel's TCP count) in MB",
+        f"{'rank':>4} {'data':>8} {'compute':>8} {'comm':>8} {'optim':>8} {'step':>8} {'sent':>9} {'received':>9}"
+        f" {'wire out':>9} {'wire in':>9}",
     ]
     for s in summaries:
         lines.append(
             f"{s.rank:>4} {s.data_ms:>8.2f} {s.compute_ms:>8.2f} {s.comm_ms:>8.2f} {s.optimizer_ms:>8.2f}"
             f" {s.step_ms:>8.2f} {_megabytes(s.payload_sent):>9} {_megabytes(s.payload_received):>9}"
+            f" {_megabytes(s.wire_sent):>9} {_megabytes(s.wire_received):>9}"
         )
     if transfer is not None and len(summaries) > 1:
         lines.append(f"transfer: {transfer:.2f} ms a step (the shortest communication wait of any rank, median)")
     named = f"rank {found.straggler} is the straggler, {found.bound}" if found.straggler is not None else found.bound
     lines.append(f"verdict: {named}: {found.reason}.")
+    if links is not None and len(links.hosts) > 1:
+        for h in links.hosts:
+            rate = "-" if h.rate_mb_s is None else f"{h.rate_mb_s:.1f} MB/s"
+            lines.append(
+                f"  host {h.host} (ranks {list(h.ranks)}): fastest transfer {rate}, busy {h.link_ms:.2f} ms a step,"
+                f" {h.sent / 1e6:.2f} MB out and {h.received / 1e6:.2f} MB in to other hosts"
+            )
+        lines.append(f"links: {links.reason}.")
     return "\n".join(lines)
 
 
@@ -232,12 +257,14 @@ def report_dict(
     found: Verdict,
     steps: Mapping[int, Sequence[StepTime]],
     meta: dict[str, Any],
+    links: LinkFinding | None = None,
 ) -> dict[str, Any]:
-    """The JSON document: ``meta``, the verdict, per-rank summaries, and every measured step of every rank (ms)."""
+    """The JSON document: ``meta``, the verdict, the links, per-rank summaries, every measured step of every rank."""
     return {
         "version": 1,
         **meta,
         "verdict": asdict(found),
+        "links": None if links is None else asdict(links),
         "ranks": [asdict(s) for s in summaries],
         "step_columns": ["step", *[f"{p}_ms" for p in PHASES]],
         "steps": {

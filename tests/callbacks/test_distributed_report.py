@@ -128,6 +128,11 @@ def test_a_rank_sleeping_in_training_step_is_named_compute_bound(tmp_path):
     gradient_bytes = (64 * 32 + 32 + 32 * 10 + 10) * 4
     assert fast["payload_sent"] == slow["payload_sent"] >= 28 * gradient_bytes
     assert fast["lost_records"] == 0
+    # Wire bytes from the kernel's TCP counters: a 2-rank ring all-reduce puts its whole payload on the wire once,
+    # plus gloo's headers; the rendezvous store's connection is not counted.
+    assert fast["payload_sent"] < fast["wire_sent"] < 1.5 * fast["payload_sent"]
+    assert slow["payload_sent"] < slow["wire_received"] < 1.5 * slow["payload_sent"]
+    assert document["links"]["reason"].startswith("every rank is on one host")
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
@@ -169,3 +174,5 @@ def test_each_parameter_server_worker_writes_its_own_report(tmp_path):
         # see (only torch.distributed's functions record): the payload holds the default group's few collectives.
         assert document["ranks"][0]["steps"] > 0 and document["ranks"][0]["payload_sent"] is not None
         assert (out / f"trace_rank{rank}.json").exists() and (out / f"report_rank{rank}.png").exists()
+        # The kernel's TCP counters do see them: the pushes of every step.
+        assert document["ranks"][0]["wire_sent"] > 100 * document["ranks"][0]["payload_sent"]
