@@ -241,6 +241,7 @@ class DistributedReport(ClockedCallback):
         if alone and trainer.world_size > 1:
             meta["note"] = f"{strategy}'s ranks do not step together: this is rank {rank}'s own report"
         folder.mkdir(parents=True, exist_ok=True)
+        meta["table"] = self.table
         document = report_dict(self.summaries, self.verdict, by_rank, meta, self.links)
         (folder / f"{name}.json").write_text(json.dumps(document, indent=1))
         if any(by_rank.values()):
