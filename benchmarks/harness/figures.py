@@ -10,12 +10,18 @@ from typing import Any
 def save_figure(fig: Any, path: Path, dpi: int = 90) -> None:
     """Save a matplotlib figure to ``path`` as a palette PNG, and close it."""
     import matplotlib.pyplot as plt
-    from PIL import Image  # matplotlib's own dependency
 
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi)
     plt.close(fig)
-    with Image.open(buf) as image:
+    save_palette(buf.getvalue(), path)
+
+
+def save_palette(png: bytes, path: Path) -> None:
+    """Save a PNG's bytes (e.g. a chart another tool drew, kept with the results) to ``path`` as a palette PNG."""
+    from PIL import Image  # matplotlib's own dependency
+
+    with Image.open(io.BytesIO(png)) as image:
         small = image.convert("RGB").quantize(colors=32, method=Image.Quantize.MEDIANCUT)
     path.parent.mkdir(parents=True, exist_ok=True)
     small.save(path, "PNG", optimize=True)
