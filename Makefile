@@ -93,7 +93,7 @@ $(DOCS_STAMP): $(STAMP)
 BENCH_TARGETS := bench-mirrored bench-mirrored-gpt bench-pipeline bench-pipeline-gpt bench-ps bench-ps-gpt \
 	bench-balance bench-balance-gpt bench-precision bench-precision-gpt bench-precision-ops bench-memory bench-memory-gpt bench-sharding \
 	bench-sharding-gpt bench-collectives bench-faults bench-cluster bench-cluster-gpt bench-cluster-hierarchical \
-	bench-cluster-hierarchical-gpt bench-report
+	bench-cluster-hierarchical-gpt bench-report bench-link
 .PHONY: $(BENCH_TARGETS)
 
 bench: bench-mirrored
@@ -154,6 +154,11 @@ bench-cluster-hierarchical: setup cluster-tools
 
 bench-cluster-hierarchical-gpt: setup cluster-tools
 	$(PY) -m benchmarks.cluster.driver --model gpt --parts hierarchical
+
+# DistributedReport on the namespace cluster (root): host 2's link at a tenth of the others' bandwidth, against equal
+# links; is the step time it adds attributed to that link (benchmarks/link_attribution/)?
+bench-link: setup cluster-tools
+	$(PY) -m benchmarks.link_attribution.driver
 
 clean:
 	rm -rf $(VENV) lightning_logs runs .pytest_cache .ruff_cache .mypy_cache

@@ -50,6 +50,7 @@ WRITES: dict[str, tuple[str, ...]] = {
     **_and_gpt("cluster", "cluster"),
     **_and_gpt("cluster-hierarchical", "cluster_hierarchical"),
     "bench-report": ("report_overhead",),
+    "bench-link": ("link_attribution",),
 }
 
 

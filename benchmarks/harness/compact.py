@@ -57,6 +57,7 @@ BENCHMARKS = {
     "faults": ("faults.driver", "Faults"),
     "cluster": ("cluster.driver", "Cluster"),
     "precision": ("precision.driver", "Precision"),
+    "link_attribution": ("link_attribution.driver", "LinkAttribution"),
 }
 #: keys that are no figure: what the verdict rule sets, and a target's label
 NOT_FIGURES = ("met", "verdict", "what")
