@@ -38,7 +38,7 @@ from ds_lightning.strategies.capabilities import capabilities_of
 
 __all__ = ["DistributedReport"]
 
-_FIELDS = 6  # step, start_ns and the four phases
+_FIELDS = 7  # step, start_ns, the four phases and the wait before the batch
 _ADDRESS = 16  # an address as the 16 bytes of IPv6 (IPv4 mapped), for the tensor gathers
 _LINK_TOTALS = 3  # bytes sent, bytes received, busy microseconds
 
@@ -274,7 +274,9 @@ class DistributedReport(ClockedCallback):
         longest = int(lengths[:, 0].max())
         rows = torch.zeros(max(longest, 1), _FIELDS, dtype=torch.int64)
         if steps:
-            fields = [[s.step, s.start_ns, s.data_ns, s.compute_ns, s.comm_ns, s.optimizer_ns] for s in steps]
+            fields = [
+                [s.step, s.start_ns, s.data_ns, s.compute_ns, s.comm_ns, s.optimizer_ns, s.sync_ns] for s in steps
+            ]
             rows[: len(steps)] = torch.tensor(fields, dtype=torch.int64)
         table = self._gather(rows, trainer).reshape(trainer.world_size, max(longest, 1), _FIELDS)
         by_rank = {

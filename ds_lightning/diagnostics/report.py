@@ -275,12 +275,17 @@ def report_dict(
 
 
 def phase_spans(rank: int, steps: Sequence[StepTime]) -> list[Span]:
-    """Spans for the pipeline's trace export: data before the batch start, then compute, comm and optimizer."""
+    """Spans for the pipeline's trace export, in the order they happened.
+
+    The wait in collectives before the batch (as comm), data loading up to the batch start, then compute, the rest of
+    comm, and the optimizer.
+    """
     spans = []
     for s in steps:
-        at = s.start_ns - s.data_ns
-        for phase in PHASES:
-            length = s.phase_ns(phase)
+        at = s.start_ns - s.data_ns - s.sync_ns
+        lengths = [("comm", s.sync_ns), ("data", s.data_ns), ("compute", s.compute_ns)]
+        lengths += [("comm", s.comm_ns - s.sync_ns), ("optimizer", s.optimizer_ns)]
+        for phase, length in lengths:
             if length > 0:
                 spans.append(Span(rank, 0, phase, 0, s.step, at, at + length))
             at += length

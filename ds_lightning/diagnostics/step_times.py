@@ -50,8 +50,10 @@ class StepTime:
         start_ns: :func:`time.time_ns` when the batch started (the end of its data phase), to line ranks up.
         data_ns: data loading before the batch.
         compute_ns: forward and backward, less the communication wait.
-        comm_ns: waiting for the gradient synchronisation at the end of backward.
+        comm_ns: waiting for the gradient synchronisation at the end of backward, and in collectives before the
+            batch (``sync_ns``).
         optimizer_ns: the optimizer step.
+        sync_ns: the part of ``comm_ns`` spent before the batch, ahead of its data loading (Lightning's broadcast).
 
     """
 
@@ -61,6 +63,7 @@ class StepTime:
     compute_ns: int
     comm_ns: int
     optimizer_ns: int
+    sync_ns: int = 0
 
     @property
     def total_ns(self) -> int:
@@ -207,6 +210,7 @@ class StepClock:
             compute_ns=compute,
             comm_ns=self._comm + self._sync,
             optimizer_ns=end - work_end,
+            sync_ns=self._sync,
         )
         self.steps.append(record)
         if len(self.steps) > _MAX_STEPS:

@@ -181,4 +181,15 @@ def test_table_json_png_and_trace(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     assert {e["pid"] for e in spans} == {0, 1}  # one track per rank
     assert [e["name"] for e in spans if e["pid"] == 0][:4] == ["data", "compute", "comm", "optimizer"]
+    # A wait before the batch (Lightning's broadcast) is drawn where it happened: before the data, ending where the
+    # step's data phase starts, so the step's spans tile it without a gap or an overlap.
+    waited = StepTime(0, 1_000 * MS, MS, 2 * MS, 6 * MS, MS, sync_ns=4 * MS)
+    drawn = phase_spans(0, [waited])
+    assert [(x.kind, x.start_ns, x.end_ns) for x in drawn] == [
+        ("comm", 995 * MS, 999 * MS),
+        ("data", 999 * MS, 1_000 * MS),
+        ("compute", 1_000 * MS, 1_002 * MS),
+        ("comm", 1_002 * MS, 1_004 * MS),
+        ("optimizer", 1_004 * MS, 1_005 * MS),
+    ]
     assert {e["args"]["name"] for e in events if e["name"] == "thread_name"} == {"steps"}
