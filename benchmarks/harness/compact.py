@@ -58,6 +58,7 @@ BENCHMARKS = {
     "cluster": ("cluster.driver", "Cluster"),
     "precision": ("precision.driver", "Precision"),
     "link_attribution": ("link_attribution.driver", "LinkAttribution"),
+    "report_overhead": ("report_overhead.driver", "ReportOverhead"),
 }
 #: keys that are no figure: what the verdict rule sets, and a target's label
 NOT_FIGURES = ("met", "verdict", "what")
