@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["Connection", "LinkCounter", "TcpCounters", "read_tcp_counters"]
 
+_TCP_INFO = getattr(socket, "TCP_INFO", None)  # Linux only: elsewhere no connection has counters
 _TCP_INFO_LEN = 232
 _ESTABLISHED = 1
 # Offsets in struct tcp_info (include/uapi/linux/tcp.h): tcpi_bytes_received, tcpi_busy_time, tcpi_bytes_sent.
@@ -48,12 +49,14 @@ class TcpCounters:
 
 def read_tcp_counters(fd: int) -> TcpCounters | None:
     """The counters of the TCP socket ``fd``; ``None`` when it is not an established TCP connection (any more)."""
+    if _TCP_INFO is None:
+        return None
     try:
         sock = socket.socket(fileno=fd)
     except OSError:
         return None
     try:
-        raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+        raw = sock.getsockopt(socket.IPPROTO_TCP, _TCP_INFO, _TCP_INFO_LEN)
     except OSError:
         return None
     finally:

@@ -56,6 +56,14 @@ def test_a_listening_socket_or_a_file_has_no_counters(connected, tmp_path):
         assert read_tcp_counters(handle.fileno()) is None
 
 
+def test_without_tcp_info_there_are_no_counters_and_no_connections(connected, monkeypatch):
+    from ds_lightning.diagnostics import link_counters
+
+    _, client, _ = connected
+    monkeypatch.setattr(link_counters, "_TCP_INFO", None)  # as on macOS or Windows
+    assert read_tcp_counters(client.fileno()) is None and tcp_connections() == []
+
+
 def test_connections_on_an_excluded_port_are_left_out(connected):
     server, client, accepted = connected
     port = server.getsockname()[1]
