@@ -6,7 +6,7 @@ it) or runs in one (``ds_model_parallel``, ``"single"``). The spec holds ``out``
 fits, each with a ``name``, a ``strategy`` name (or ``"single"``: one process, no strategy) and its ``options``, and
 optionally ``compile`` (``"module"``: ``torch.compile(model)``, Lightning's documented way; ``"submodule"``:
 ``model.net = torch.compile(model.net)``), ``backend`` (torch.compile's; default inductor), ``lr``, ``max_steps``,
-``precision`` and ``slow_link`` (see :class:`SlowLink`). For each fit rank 0 writes ``{name}.pt`` (the final
+``precision`` and ``slow_link`` (see :func:`slow_link`). For each fit rank 0 writes ``{name}.pt`` (the final
 parameters, under the eager model's names) and ``{name}.json`` (the graphs it compiled, graph breaks, auto's
 choices); where the fit raised, every rank writes ``{name}.rank{r}.error.txt`` (the exception's type and message)
 and goes on to the next fit.
@@ -14,20 +14,22 @@ and goes on to the next fit.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader, TensorDataset
 
 import ds_lightning
+from ds_lightning.comm.auto.hook import AutoState
 from tests.helpers.auto_workers import SLOW
 
 FEATURES, HIDDEN, CLASSES, SAMPLES, BATCH = 16, 32, 4, 64, 8
@@ -59,13 +61,26 @@ class CompileNet(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
-class SlowLink(Callback):
-    """Under ``gradient_compression="auto"``: decide on a slow link's figures from the first step on, so that auto
-    switches to a compressed choice when its warm-up ends (on loopback it would keep ``none``)."""
+@contextlib.contextmanager
+def slow_link() -> Iterator[None]:
+    """Under ``gradient_compression="auto"``: decide on a slow link's figures (``override``) from the set-up decision
+    on, so that auto compresses (on loopback it would keep ``none``).
 
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        auto = trainer.strategy.auto_compression  # type: ignore[attr-defined]
-        auto.override = SLOW
+    Set from the set-up decision, not from ``on_train_start``: that decision probes the real link, and on a loaded
+    machine the probe sometimes made it choose fp16 in one run and ``none`` in its eager pair, which then trained
+    differently. With the override from the start every decision of both runs sees the same figures.
+    """
+    original = AutoState.__post_init__
+
+    def with_override(self: AutoState) -> None:
+        original(self)
+        self.override = SLOW
+
+    AutoState.__post_init__ = with_override  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        AutoState.__post_init__ = original  # type: ignore[method-assign]
 
 
 def make_data() -> TensorDataset:
@@ -119,13 +134,13 @@ def fit(run: dict[str, Any], out: Path) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(out),
-        callbacks=[SlowLink()] if run.get("slow_link") else [],
     )
     rank = trainer.global_rank
     try:
         # "single": one process on the global batch, what ds_parameter_server's bulk-synchronous training equals.
         batch = 2 * BATCH if run["strategy"] == "single" else BATCH
-        trainer.fit(fitted, DataLoader(make_data(), batch_size=batch))
+        with slow_link() if run.get("slow_link") else contextlib.nullcontext():
+            trainer.fit(fitted, DataLoader(make_data(), batch_size=batch))
     except Exception as err:
         (out / f"{run['name']}.rank{rank}.error.txt").write_text(f"{type(err).__name__}: {err}")
         return
