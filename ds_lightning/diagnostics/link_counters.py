@@ -18,7 +18,6 @@ counters, and the report's link columns then read ``-``.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
 import socket
@@ -189,5 +188,4 @@ class LinkCounter:
 
     def stop(self) -> None:
         """Forget the connections (their descriptors may be closed and reused after training)."""
-        with contextlib.suppress(Exception):
-            self._connections, self._last = [], {}
+        self._connections, self._last = [], {}

@@ -122,7 +122,9 @@ def test_the_broadcast_before_a_batch_is_communication_not_data():
     clock.batch_start()
     step = clock.batch_end()
     assert step is not None
-    assert 0.009 < step.data_ns / 1e9 < 0.025 and 0.029 < step.comm_ns / 1e9 < 0.05
+    # Lower bounds only (a loaded machine stretches sleeps): the step has no backward pass, so its only comm is the
+    # broadcast, and counted as data it would leave comm at 0.
+    assert step.data_ns / 1e9 > 0.009 and step.comm_ns / 1e9 > 0.029 and step.sync_ns == step.comm_ns
     clock.unwatch_loop()
     assert "_broadcast_sigterm_tensor" not in vars(loop)  # Lightning's own method again
     loop._broadcast_sigterm_tensor()
